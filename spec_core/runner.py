@@ -1,0 +1,233 @@
+"""The compact model runner: a Llama/Qwen-family decoder with a preallocated KV cache.
+
+One ``forward`` call per step serves every mode (prefill, AR decode, SD verify, draft steps). The prefix is never
+re-run: each call writes the K/V of its new tokens into cache slots and attends to the cached rows.
+
+Cache addressing. The cache has ``max_rows`` independent rows of ``max_len`` slots. A token at sequence position
+``pos`` normally lives in slot ``pos`` of its row, so rollback after a rejection is just a shorter valid length
+(stale slots are overwritten by later writes). Callers that need other layouts (token trees) pass explicit
+``slots`` and a boolean ``attn_mask``.
+
+Exactness. Weights are loaded from the HF safetensors files and the math follows transformers' Llama/Qwen code
+(RMSNorm in fp32, RoPE tables from transformers' own rotary module), so fp32 logits match within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """The architecture facts the runner needs, read from an HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    qk_norm: bool
+    qkv_bias: bool
+    tie_embeddings: bool
+
+    @staticmethod
+    def from_hf(cfg: PretrainedConfig) -> ArchSpec:
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return ArchSpec(
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_positions=cfg.max_position_embeddings,
+            qk_norm=cfg.model_type == "qwen3",
+            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [B, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer:
+    """One decoder layer's weights, with q/k/v and gate/up fused for fewer kernel calls."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec) -> None:
+        a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.qkv = torch.cat([w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"], w[f"{a}.v_proj.weight"]]).contiguous()
+        self.qkv_bias = (
+            torch.cat([w[f"{a}.q_proj.bias"], w[f"{a}.k_proj.bias"], w[f"{a}.v_proj.bias"]]) if spec.qkv_bias else None
+        )
+        self.o = w[f"{a}.o_proj.weight"]
+        self.q_norm = w.get(f"{a}.q_norm.weight")
+        self.k_norm = w.get(f"{a}.k_norm.weight")
+        self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]).contiguous()
+        self.down = w[f"{m}.down_proj.weight"]
+        self.ln_attn = w[f"{prefix}.input_layernorm.weight"]
+        self.ln_mlp = w[f"{prefix}.post_attention_layernorm.weight"]
+
+
+def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        weights.update(load_file(str(path / name)))
+    return weights
+
+
+class KVCache:
+    """Preallocated K/V tensors: ``[num_layers, max_rows, num_kv_heads, max_len, head_dim]`` each."""
+
+    def __init__(self, spec: ArchSpec, max_rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (spec.num_layers, max_rows, spec.num_kv_heads, max_len, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_rows = max_rows
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class ModelRunner:
+    """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        path = Path(path)
+        self.hf_config = AutoConfig.from_pretrained(str(path))
+        self.spec = ArchSpec.from_hf(self.hf_config)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        raw = load_safetensors_dir(path)
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in raw.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = [Layer(w, f"model.layers.{i}", self.spec) for i in range(self.spec.num_layers)]
+        rotary = LlamaRotaryEmbedding(self.hf_config)
+        positions = torch.arange(self.spec.max_positions)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        self.cos = cos[0].to(device=self.device, dtype=dtype)
+        self.sin = sin[0].to(device=self.device, dtype=dtype)
+        self.q_size = self.spec.num_heads * self.spec.head_dim
+        self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def new_cache(self, max_rows: int, max_len: int) -> KVCache:
+        if max_len > self.spec.max_positions:
+            max_len = self.spec.max_positions
+        return KVCache(self.spec, max_rows, max_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        kv_len: int | None = None,
+        slots: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run new tokens through the model, writing their K/V into the cache.
+
+        Args:
+            input_ids: ``[B, T]`` new tokens.
+            positions: ``[B, T]`` their sequence positions (RoPE).
+            rows: ``[B]`` cache rows (default ``arange(B)``).
+            kv_len: slots ``[0, kv_len)`` of each row are attended (default ``max(slots) + 1``).
+            slots: ``[B, T]`` cache slots to write (default = ``positions``).
+            attn_mask: ``[B, T, kv_len]`` bool, True = may attend. Default: slot s is visible to a query at
+                position p iff ``s <= p`` (causal for position-addressed rows).
+            logits_index: ``[B, T']`` indices into T of the rows whose logits are wanted (default: all).
+        Returns:
+            logits ``[B, T', V]`` in fp32.
+        """
+        bsz, t = input_ids.shape
+        spec = self.spec
+        contiguous_rows = rows is None
+        rows = torch.arange(bsz, device=self.device) if rows is None else rows
+        slots = positions if slots is None else slots
+        if kv_len is None:
+            kv_len = int(slots.max()) + 1
+        if attn_mask is None and not (t == 1 and bool((slots[:, 0] == kv_len - 1).all())):
+            attn_mask = torch.arange(kv_len, device=self.device)[None, None, :] <= positions[:, :, None]
+        mask4 = attn_mask[:, None] if attn_mask is not None else None
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        row_idx = rows[:, None].expand(bsz, t)
+        h = F.embedding(input_ids, self.embed)
+        for li, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(bsz, t, spec.num_heads, spec.head_dim)
+            k = k.view(bsz, t, spec.num_kv_heads, spec.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+            q = apply_rope(q.transpose(1, 2), cos, sin)
+            k = apply_rope(k.transpose(1, 2), cos, sin)
+            v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+            # Write new K/V: cache[layer][row, head, slot] = k[b, head, t]
+            self._write(cache.k[li], row_idx, slots, k)
+            self._write(cache.v[li], row_idx, slots, v)
+            if contiguous_rows:
+                keys, values = cache.k[li][:bsz, :, :kv_len], cache.v[li][:bsz, :, :kv_len]
+            else:
+                keys, values = cache.k[li][rows, :, :kv_len], cache.v[li][rows, :, :kv_len]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
+            h = h + F.linear(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
+            x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        if logits_index is not None:
+            h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
+        h = rms_norm(h, self.norm, spec.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    @staticmethod
+    def _write(store: torch.Tensor, row_idx: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+        """store: [rows, H, S, D]; new: [B, H, T, D]; writes new[b, :, t] to store[row_idx[b,t], :, slots[b,t]]."""
+        store[row_idx, :, slots] = new.transpose(1, 2)

@@ -1,0 +1,93 @@
+"""Logits → probabilities and categorical draws: the one definition both drafter and verifier use.
+
+Every function here is pure: randomness comes in as explicit uniforms, so a seeded caller is deterministic and
+the same draw can be replayed anywhere. A temperature of 0 means greedy: such rows become one-hot at the argmax
+(ties broken towards the lowest id, as ``torch.argmax`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Probabilities below this are treated as zero when normalising a residual.
+_EPS = 1e-12
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Turn logits into the sampling distribution.
+
+    Args:
+        logits: ``[B, ..., V]`` (fp32).
+        temperature: ``[B]``; 0 means greedy (one-hot argmax).
+        top_k: ``[B]`` int; 0 disables.
+        top_p: ``[B]`` float in (0, 1]; 1 disables. Keeps the smallest top set whose mass reaches ``top_p``.
+    Returns:
+        probs ``[B, ..., V]``, each row summing to 1.
+    """
+    shape = logits.shape
+    bsz, vocab = shape[0], shape[-1]
+    flat = logits.reshape(bsz, -1, vocab).float()
+    temp = temperature.to(flat).view(bsz, 1, 1)
+    greedy = temp <= 0
+    scaled = flat / torch.where(greedy, torch.ones_like(temp), temp)
+    if top_k is not None and bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab).view(bsz, 1, 1)
+        kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (k - 1).expand(bsz, flat.shape[1], 1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p is not None and bool((top_p < 1).any()):
+        probs = _apply_top_p(probs, top_p.to(probs).view(bsz, 1, 1))
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, onehot, probs)
+    return probs.reshape(shape)
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    keep_sorted = mass_before < top_p  # the top token always has mass_before == 0
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: ``probs [N, V]`` (need not be normalised), ``uniform [N]`` in [0, 1) → ids ``[N]``.
+
+    Never returns a zero-probability token, whatever the rounding of the cumulative sum.
+    """
+    cdf = torch.cumsum(probs.float(), dim=-1)
+    total = cdf[:, -1:]
+    target = uniform.to(cdf).view(-1, 1) * total
+    idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
+    # If rounding landed on a zero-mass entry, step back to the last token with mass.
+    bad = probs.gather(-1, idx) <= 0
+    if bool(bad.any()):
+        last_nonzero = (probs > 0).float().cumsum(-1).argmax(-1, keepdim=True)
+        idx = torch.where(bad, last_nonzero, idx)
+    return idx.squeeze(-1)
+
+
+def normalise(dist: torch.Tensor) -> torch.Tensor:
+    return dist / dist.sum(-1, keepdim=True).clamp_min(_EPS)
+
+
+def saguaro_downweight(probs: torch.Tensor, top_f: int, c: float) -> torch.Tensor:
+    """Saguaro sampling q′: multiply the mass of the top-``top_f`` tokens by ``c`` ∈ (0, 1], then renormalise.
+
+    Exact speculative sampling needs the verifier to use this same q′ in both the acceptance ratio and the residual;
+    the drafter therefore ships q′ itself, never the raw q.
+    """
+    if not 0 < c <= 1:
+        raise ValueError(f"Saguaro C must be in (0, 1], got {c}")
+    if c == 1 or top_f <= 0:
+        return probs
+    top = torch.topk(probs, min(top_f, probs.shape[-1]), dim=-1).indices
+    scale = torch.ones_like(probs).scatter_(-1, top, c)
+    return normalise(probs * scale)

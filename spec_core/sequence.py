@@ -1,0 +1,81 @@
+"""Per-request state: one object holds a request's tokens, sampling settings, randomness and stop logic."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_core.config import SamplingParams
+
+
+@dataclass(slots=True)
+class Sequence:
+    """A request's tokens and progress.
+
+    Invariants: ``output_ids`` only grows, and only through :meth:`append`, which applies the stop rules (stop ids,
+    EOS unless ``ignore_eos``, ``max_new_tokens``, the context limit). The token that triggers a stop is kept, as
+    transformers does. ``emit_times`` has one timestamp per output token.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: tuple[int, ...] = ()
+    max_len: int = 1 << 30
+    output_ids: list[int] = field(default_factory=list)
+    emit_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(self.prompt_ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(self.prompt_ids)} tokens; the context limit is {self.max_len}")
+        seed = self.params.seed if self.params.seed is not None else torch.seed() % (1 << 63)
+        self.generator.manual_seed(seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that may still be generated (by the budget and the context)."""
+        return min(self.params.max_new_tokens - len(self.output_ids), self.max_len - self.num_tokens)
+
+    def stop_ids(self) -> set[int]:
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.update(self.eos_ids)
+        return ids
+
+    def append(self, tokens: list[int]) -> list[int]:
+        """Append tokens until a stop rule fires; returns the tokens actually appended."""
+        now = time.perf_counter()
+        stops = self.stop_ids()
+        taken: list[int] = []
+        for tok in tokens:
+            if self.finished:
+                break
+            self.output_ids.append(tok)
+            self.emit_times.append(now)
+            taken.append(tok)
+            if tok in stops:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_len:
+                self.finish_reason = "length"
+        return taken
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator)

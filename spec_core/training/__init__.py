@@ -1,0 +1,1 @@
+"""Reproducible training of the shipped target/draft pair (``ssd train-pair``)."""

@@ -1,0 +1,140 @@
+"""Implementations of the ``ssd`` subcommands (argument parsing lives in :mod:`ssd_cli.main`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ssd_cli.main import CliError, print_json
+
+logger = logging.getLogger("ssd")
+
+
+def _model_configs(args: argparse.Namespace, need_draft: bool):
+    from spec_core.config import ModelConfig
+    from spec_core.models import default_pair
+
+    pair = default_pair()
+    target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
+    draft = ModelConfig(args.draft or pair["draft"], dtype=args.dtype, device=args.device) if need_draft else None
+    return target, draft
+
+
+def _sampling(args: argparse.Namespace):
+    from spec_core.config import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise CliError("give --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise CliError(f"prompt file not found: {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CliError(f"prompt file is not valid UTF-8: {path}") from None
+    if args.prompt is None:
+        raise CliError("give a prompt with --prompt TEXT or --prompt-file FILE")
+    return args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from spec_core.api import Generator
+    from spec_core.config import MODES
+    from spec_core.models import set_threads
+
+    if args.mode not in MODES:
+        raise CliError(f"unknown --mode {args.mode!r}; choose one of {', '.join(MODES)}")
+    if args.mode == "ssd":
+        raise CliError("--mode ssd needs the drafter service, which is not built yet (see the drafter issue); "
+                       "use --mode sd or ar")
+    prompt = _read_prompt(args)
+    params = _sampling(args)
+    if args.k < 0:
+        raise CliError(f"--k must be >= 0, got {args.k}")
+    set_threads(args.threads)
+    target, draft = _model_configs(args, need_draft=args.mode != "ar")
+    gen = Generator(target, draft, k=args.k)
+    result = gen.generate(prompt, params, mode=args.mode)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        sys.stdout.write(result.text + "\n")
+        tps = result.stats.tokens_per_s
+        logger.info("%d tokens, %.1f tok/s", len(result.token_ids), tps or 0.0)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from spec_core.models import default_pair
+
+    print_json(default_pair())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from spec_core.api import Generator
+    from spec_core.config import ModelConfig, SamplingParams
+    from spec_core.models import default_pair, set_threads
+    from spec_core.prompts import demo_prompt
+
+    set_threads(args.threads)
+    pair = default_pair()
+    gen = Generator(ModelConfig(pair["target"]), ModelConfig(pair["draft"]), k=args.k)
+    prompt = demo_prompt()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up
+    ar = gen.generate(prompt, params, mode="ar")
+    sd = gen.generate(prompt, params, mode="sd")
+    out = sys.stdout
+    out.write(prompt + sd.text + "\n")
+    out.write("-" * 72 + "\n")
+    out.write(f"AR : {ar.stats.tokens_per_s:8.1f} tok/s\n")
+    out.write(
+        f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
+        f"acceptance {sd.stats.acceptance_rate:.2f})\n"
+    )
+    out.write(f"speedup SD/AR: {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
+              f"greedy outputs identical: {ar.token_ids == sd.token_ids}\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.bench import BenchSettings, run_bench
+
+    settings = BenchSettings.from_args(args)
+    report = run_bench(settings, *_model_configs(args, need_draft=True))
+    if args.out:
+        import json
+
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_train_pair(args: argparse.Namespace) -> int:
+    import torch
+
+    from spec_core.training.train_pair import config_from_args, train_pair
+
+    logging.getLogger().setLevel(logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = config_from_args(
+        args.smoke, target_steps=args.target_steps, draft_steps=args.draft_steps, max_minutes=args.max_minutes
+    )
+    report = train_pair(Path(args.out), cfg, resume=args.resume, stage=args.stage)
+    print_json({k: report[k] for k in ("eval", "target_params", "draft_params") if k in report})
+    return 0

@@ -1,0 +1,119 @@
+"""The ``ssd`` command line. Heavy imports happen inside each subcommand so ``--help`` stays fast.
+
+User errors (bad flags, missing models, bad values) print one line ``ssd: error: ...`` and exit with status 2,
+with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+logger = logging.getLogger("ssd")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target HF model folder (default: the shipped pair)")
+    p.add_argument("--draft", help="draft HF model folder (default: the shipped pair)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ssd", description="Speculative speculative decoding service and tools.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt")
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt-file", help="read the prompt text from this file")
+    g.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
+    g.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_sampling_flags(g)
+    _add_model_flags(g)
+
+    sub.add_parser("models", help="print the default model pair as JSON")
+
+    d = sub.add_parser("demo", help="complete the shipped prompt with AR and SD, print the speedup")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--k", type=int, default=5)
+    d.add_argument("--threads", type=int, default=1)
+
+    b = sub.add_parser("bench", help="benchmark modes side by side")
+    b.add_argument("--modes", default="ar,sd")
+    b.add_argument("--num-prompts", type=int, default=20)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--k", type=int, default=5)
+    b.add_argument("--repeats", type=int, default=1, help="passes over the prompts (interleaved by prompt)")
+    b.add_argument("--temperatures", default="0")
+    b.add_argument("--prompts", help='JSONL file of {"prompt": ...} (default: HumanEval prompts)')
+    b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
+    b.add_argument("--quick", action="store_true", help="a few prompts and tokens (CI)")
+    b.add_argument("--out", help="write results JSON here")
+    b.add_argument("--target-threads", type=int, default=1)
+    _add_model_flags(b)
+
+    t = sub.add_parser("train-pair", help="train the target/draft pair on the stdlib source")
+    t.add_argument("--out", required=True)
+    t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    t.add_argument("--smoke", action="store_true", help="a few steps on a tiny slice with tiny models (CI)")
+    t.add_argument("--stage", default="all", choices=["tokenizer", "target", "all"])
+    t.add_argument("--target-steps", type=int)
+    t.add_argument("--draft-steps", type=int)
+    t.add_argument("--max-minutes", type=float)
+    t.add_argument("--threads", type=int, default=None)
+    return parser
+
+
+def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
+    from ssd_cli import commands
+
+    return {
+        "generate": commands.cmd_generate,
+        "models": commands.cmd_models,
+        "demo": commands.cmd_demo,
+        "bench": commands.cmd_bench,
+        "train-pair": commands.cmd_train_pair,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _dispatch()[args.command](args)
+    except (CliError, ValueError) as exc:
+        print(f"ssd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ssd: interrupted", file=sys.stderr)
+        return 130
+
+
+def print_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Shared fixtures: seeded RNGs, tiny random HF models on disk, the shipped default pair."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread: deterministic kernels, and no oversubscription of CI's two cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def tiny_config(family: str, vocab_size: int = 256, **overrides):
+    """A random tiny config; ``initializer_range`` 0.2 keeps argmax ties away (see the Foundation issue)."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                  max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=32, **common)
+    raise ValueError(family)
+
+
+def save_tiny_model(path: Path, family: str, seed: int, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Random tiny Llama and Qwen3 targets, plus a smaller draft for each (same vocabulary)."""
+    base = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": save_tiny_model(base / "llama", "llama", 1),
+        "llama-draft": save_tiny_model(base / "llama-draft", "llama", 2, hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
+        "qwen3": save_tiny_model(base / "qwen3", "qwen3", 3),
+        "qwen3-draft": save_tiny_model(base / "qwen3-draft", "qwen3", 4, num_hidden_layers=1),
+        "llama-vocab300": save_tiny_model(base / "llama-vocab300", "llama", 5, vocab_size=300),
+    }
+
+
+@pytest.fixture(scope="session")
+def default_pair() -> dict[str, str]:
+    from spec_core.models import default_pair as pair
+
+    paths = pair()
+    for p in paths.values():
+        assert Path(p, "config.json").is_file(), f"shipped model missing: {p}"
+    return paths

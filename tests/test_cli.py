@@ -1,0 +1,92 @@
+"""The ``ssd`` CLI through its real console entry (subprocesses): JSON contract and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spec_core.prompts import humaneval_prompts
+
+
+def ssd(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssd_cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ssd: error:") and needle in lines[0], lines[0]
+
+
+def test_models_prints_default_pair(default_pair):
+    proc = ssd("models")
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout) == default_pair
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_generate_json(mode):
+    proc = ssd("generate", "--prompt", humaneval_prompts(1)[0], "--mode", mode, "--max-new-tokens", "24",
+               "--ignore-eos", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mode"] == mode and out["num_generated"] == 24 == len(out["token_ids"])
+    assert isinstance(out["text"], str) and out["tokens_per_s"] > 0
+    if mode == "sd":
+        assert out["num_rounds"] >= 1 and out["mean_tokens_per_round"] >= 1
+        assert 0 <= out["acceptance_rate"] <= 1
+
+
+def test_generate_greedy_modes_agree():
+    outs = [json.loads(ssd("generate", "--prompt", "def add(a, b):", "--mode", m, "--max-new-tokens", "32",
+                           "--json", "--threads", "1").stdout)["token_ids"] for m in ("ar", "sd")]
+    assert outs[0] == outs[1]
+
+
+def test_bad_model_path():
+    assert_one_line_error(ssd("generate", "--prompt", "x", "--target", "/no/such/model"), "not found")
+
+
+def test_vocabulary_mismatch(tiny_models, default_pair):
+    proc = ssd("generate", "--prompt", "x", "--target", default_pair["target"], "--draft",
+               str(tiny_models["llama-vocab300"]))
+    assert_one_line_error(proc, "vocabular")
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-0.5"], "temperature"),
+    (["--temperature", "nan"], "temperature"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "-3"], "max_new_tokens"),
+    (["--top-p", "0"], "top_p"),
+    (["--mode", "bogus"], "mode"),
+])
+def test_bad_values(flags, needle):
+    assert_one_line_error(ssd("generate", "--prompt", "x", *flags), needle)
+
+
+def test_missing_prompt_and_file():
+    assert_one_line_error(ssd("generate"), "prompt")
+    assert_one_line_error(ssd("generate", "--prompt-file", "/no/such/file"), "not found")
+
+
+def test_bench_quick_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert set(report) >= {"hardware", "settings", "results"}
+    required = {"mode", "concurrency", "temperature", "tokens_per_s", "ttft_s_p50", "itl_s_p50", "itl_s_p99",
+                "mean_tokens_per_round", "acceptance_rate", "cache_hit_rate", "matches_target_greedy"}
+    modes = set()
+    for row in report["results"]:
+        assert required <= set(row), required - set(row)
+        assert row["tokens_per_s"] > 0
+        assert row["matches_target_greedy"] is True
+        modes.add(row["mode"])
+    assert modes == {"ar", "sd"}

@@ -1,0 +1,46 @@
+"""Project shape: spec_core imports no Ray or gRPC; the shipped pair meets its size contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layout_folders_exist():
+    for name in ("cluster", "drafter_service", "verifier_service", "protos", "k8s", "tests", "spec_core"):
+        assert (ROOT / name).is_dir(), name
+    assert (ROOT / "pyproject.toml").is_file()
+
+
+def test_spec_core_imports_no_ray_or_grpc():
+    code = (
+        "import sys, pkgutil, importlib, spec_core\n"
+        "for m in pkgutil.walk_packages(spec_core.__path__, 'spec_core.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('ray', 'grpc'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_default_pair_contract(default_pair):
+    sizes = {}
+    for role, path in default_pair.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        cfg = json.loads(Path(path, "config.json").read_text())
+        assert cfg["model_type"] == "llama"
+        assert cfg["max_position_embeddings"] >= 1024
+        sizes[role] = sum(p.numel() for p in model.parameters())
+        assert Path(path, "tokenizer.json").is_file()
+    assert 15e6 <= sizes["target"] <= 20e6, sizes
+    assert 1e6 <= sizes["draft"] <= 3e6, sizes
+    total_mb = sum(f.stat().st_size for p in default_pair.values() for f in Path(p).iterdir()) / 2**20
+    assert total_mb < 50, total_mb

@@ -1,0 +1,1 @@
+"""The verifier engine: batching, tree verification and KV reconciliation (arrives with the verifier issue)."""
