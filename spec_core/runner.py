@@ -127,6 +127,52 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
 
+class PagedKVCache:
+    """A pool of K/V slots: ``[num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim]`` each.
+
+    The extra last slot is scratch: padded batch entries write there and are never attended.
+    """
+
+    def __init__(self, spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_slots = num_blocks * block_size
+        shape = (spec.num_layers, self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move K/V between slots (KV reconciliation after a tree verification)."""
+        if src == dst:
+            return
+        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """A packed ragged batch for :meth:`ModelRunner.forward_paged`; padding is explicit.
+
+    input_ids, positions, write_slots: ``[B, T]`` (pad entries write the scratch slot).
+    kv_slots: ``[B, S]`` physical slots each row attends, in any order (pad = scratch).
+    attn_mask: ``[B, T, S]`` bool; every query row must see at least one slot (pads see their own scratch).
+    logits_index: ``[B, T']`` rows of T whose logits are returned (None = all).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    kv_slots: torch.Tensor
+    attn_mask: torch.Tensor
+    logits_index: torch.Tensor | None = None
+
+
 class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
@@ -153,6 +199,12 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size
+
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        return PagedKVCache(self.spec, num_blocks, block_size, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim * torch.finfo(self.dtype).bits // 8
 
     def new_cache(self, max_rows: int, max_len: int) -> KVCache:
         if max_len > self.spec.max_positions:
@@ -186,7 +238,6 @@ class ModelRunner:
             logits ``[B, T', V]`` in fp32.
         """
         bsz, t = input_ids.shape
-        spec = self.spec
         contiguous_rows = rows is None
         rows = torch.arange(bsz, device=self.device) if rows is None else rows
         slots = positions if slots is None else slots
@@ -194,9 +245,38 @@ class ModelRunner:
             kv_len = int(slots.max()) + 1
         if attn_mask is None and not (t == 1 and bool((slots[:, 0] == kv_len - 1).all())):
             attn_mask = torch.arange(kv_len, device=self.device)[None, None, :] <= positions[:, :, None]
+        row_idx = rows[:, None].expand(bsz, t)
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cache.k[li][row_idx, :, slots] = k.transpose(1, 2)
+            cache.v[li][row_idx, :, slots] = v.transpose(1, 2)
+            if contiguous_rows:
+                return cache.k[li][:bsz, :, :kv_len], cache.v[li][:bsz, :, :kv_len]
+            return cache.k[li][rows, :, :kv_len], cache.v[li][rows, :, :kv_len]
+
+        return self._run(input_ids, positions, store, attn_mask, logits_index)
+
+    @torch.inference_mode()
+    def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor:
+        """Run a packed ragged batch over a paged cache (see :class:`PagedBatch`). Returns fp32 logits."""
+        bsz, t = batch.input_ids.shape
+        write = batch.write_slots.reshape(-1)
+        kv_slots = batch.kv_slots
+
+        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            heads, dim = k.shape[1], k.shape[3]
+            cache.k[li].index_copy_(0, write, k.transpose(1, 2).reshape(bsz * t, heads, dim))
+            cache.v[li].index_copy_(0, write, v.transpose(1, 2).reshape(bsz * t, heads, dim))
+            return cache.k[li][kv_slots].transpose(1, 2), cache.v[li][kv_slots].transpose(1, 2)
+
+        return self._run(batch.input_ids, batch.positions, store, batch.attn_mask, batch.logits_index)
+
+    def _run(self, input_ids, positions, store, attn_mask, logits_index) -> torch.Tensor:
+        """The decoder stack; ``store(layer, k, v)`` writes the new K/V and returns the keys/values to attend."""
+        bsz, t = input_ids.shape
+        spec = self.spec
         mask4 = attn_mask[:, None] if attn_mask is not None else None
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        row_idx = rows[:, None].expand(bsz, t)
         h = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
@@ -210,13 +290,7 @@ class ModelRunner:
             q = apply_rope(q.transpose(1, 2), cos, sin)
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-            # Write new K/V: cache[layer][row, head, slot] = k[b, head, t]
-            self._write(cache.k[li], row_idx, slots, k)
-            self._write(cache.v[li], row_idx, slots, v)
-            if contiguous_rows:
-                keys, values = cache.k[li][:bsz, :, :kv_len], cache.v[li][:bsz, :, :kv_len]
-            else:
-                keys, values = cache.k[li][rows, :, :kv_len], cache.v[li][rows, :, :kv_len]
+            keys, values = store(li, k, v)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
             h = h + F.linear(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
             x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
@@ -226,8 +300,3 @@ class ModelRunner:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = rms_norm(h, self.norm, spec.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
-
-    @staticmethod
-    def _write(store: torch.Tensor, row_idx: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
-        """store: [rows, H, S, D]; new: [B, H, T, D]; writes new[b, :, t] to store[row_idx[b,t], :, slots[b,t]]."""
-        store[row_idx, :, slots] = new.transpose(1, 2)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_core.config import SamplingParams
+from spec_core.detokenizer import IncrementalDetokenizer, find_stop
 
 
 @dataclass(slots=True)
@@ -28,6 +29,12 @@ class Sequence:
     emit_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator = field(default_factory=torch.Generator)
+    #: Incremental text, needed for stop strings and streaming (None: token ids only).
+    detokenizer: IncrementalDetokenizer | None = None
+    #: Tokens whose K/V is committed in the target cache (engine bookkeeping).
+    num_computed: int = 0
+    #: Text cut at a stop string (None while no stop string matched).
+    stopped_text: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -71,11 +78,38 @@ class Sequence:
             self.output_ids.append(tok)
             self.emit_times.append(now)
             taken.append(tok)
-            if tok in stops:
+            if self._hit_stop_string(tok):
+                self.finish_reason = "stop"
+            elif tok in stops:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_new_tokens or self.num_tokens >= self.max_len:
                 self.finish_reason = "length"
         return taken
+
+    def _hit_stop_string(self, tok: int) -> bool:
+        if self.detokenizer is None:
+            return False
+        before = len(self.detokenizer.text)
+        self.detokenizer.push(tok)
+        if not self.params.stop:
+            return False
+        longest = max(len(s) for s in self.params.stop)
+        idx = find_stop(self.detokenizer.text, self.params.stop, before - longest + 1)
+        if idx is None:
+            return False
+        self.stopped_text = self.detokenizer.text[:idx]
+        return True
+
+    @property
+    def text(self) -> str:
+        """The output text: cut before a matched stop string, else everything decoded so far."""
+        if self.stopped_text is not None:
+            return self.stopped_text
+        if self.detokenizer is None:
+            return ""
+        if self.finished:
+            self.detokenizer.flush()
+        return self.detokenizer.text
 
     def uniforms(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self.generator)

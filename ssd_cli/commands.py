@@ -78,6 +78,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    from spec_core.models import load_pair, set_threads
+    from verifier_service.batch import BatchSettings, run_batch
+
+    settings = BatchSettings(mode=args.mode, concurrency=args.concurrency, k=args.k, branching=args.branching,
+                             max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks)
+    set_threads(args.threads)
+    target, draft = _model_configs(args, need_draft=args.mode == "sd")
+    summary = run_batch(load_pair(target, draft), Path(args.input), Path(args.output), settings)
+    logger.info("batch: %s", summary)
+    sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
+                     f"{summary['wall_s']:.1f}s ({summary['tokens_per_s']:.1f} tok/s)\n")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from spec_core.models import default_pair
 

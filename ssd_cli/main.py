@@ -52,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="print the default model pair as JSON")
 
+    bt = sub.add_parser("batch", help="offline generation over a JSONL file with continuous batching")
+    bt.add_argument("--input", required=True, help='JSONL: {"prompt" | "prompt_token_ids", "id"?, ...}')
+    bt.add_argument("--output", required=True, help="JSONL results, in input order")
+    bt.add_argument("--mode", default="sd", help="ar | sd (default sd)")
+    bt.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    bt.add_argument("--k", type=int, default=5)
+    bt.add_argument("--branching", type=int, default=1, help="tree branches at the root (1 = chain)")
+    bt.add_argument("--max-new-tokens", type=int, default=128, help="default for lines without one")
+    bt.add_argument("--kv-blocks", type=int, default=2048, help="KV cache budget in blocks of 16 tokens")
+    _add_model_flags(bt)
+
     d = sub.add_parser("demo", help="complete the shipped prompt with AR and SD, print the speedup")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--k", type=int, default=5)
@@ -89,6 +100,7 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
     return {
         "generate": commands.cmd_generate,
         "models": commands.cmd_models,
+        "batch": commands.cmd_batch,
         "demo": commands.cmd_demo,
         "bench": commands.cmd_bench,
         "train-pair": commands.cmd_train_pair,

@@ -1,0 +1,116 @@
+"""Pack per-request work into one ragged :class:`PagedBatch`, and reconcile K/V after verification.
+
+Slot layout of one request whose committed K/V covers positions ``[0, c)`` and whose pending tokens are
+``x[c..n-1]`` (the last one, ``x[n-1]``, is the root of this round's speculation):
+  * pending token at position p → slot of position p (contiguous, in the request's own blocks);
+  * speculation node i (depth d_i ≥ 1) → position ``n - 1 + d_i``, slot of position ``n + i``.
+A chain's node i has depth i + 1, so its slot is already its position's slot. For a tree, after verification the
+accepted path's nodes are copied to the slots of positions ``n, n+1, ...`` (:func:`reconcile_tree_slots`) and
+everything else is discarded by truncating to the new committed length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_core.runner import PagedBatch
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """One request's share of a forward pass.
+
+    Attributes:
+        prefix_slots: committed slots every new token attends.
+        token_ids / positions / write_slots: the new tokens (pending tokens, then speculation nodes).
+        num_pending: how many of the new tokens are pending (causal among themselves); the rest are nodes.
+        parents: parent of each node (index among the nodes; -1 = the last pending token).
+        logits_rows: indices into the new tokens whose logits are wanted.
+        extra_slots / extra_mask: slots written by earlier forwards of this round (tree nodes being extended),
+            with ``extra_mask [T, E]`` saying which new token sees which (its ancestors).
+    """
+
+    prefix_slots: list[int]
+    token_ids: list[int]
+    positions: list[int]
+    write_slots: list[int]
+    num_pending: int
+    parents: list[int]
+    logits_rows: list[int]
+    extra_slots: list[int] = field(default_factory=list)
+    extra_mask: torch.Tensor | None = None
+
+
+def new_token_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
+    """``[T, T]`` bool: causal among pending tokens; each node sees all pending tokens, itself and its ancestors."""
+    t = num_pending + len(parents)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    mask[:num_pending, :num_pending] = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
+    for i, parent in enumerate(parents):
+        row = num_pending + i
+        mask[row, :num_pending] = True
+        if parent >= 0:
+            mask[row] |= mask[num_pending + parent]
+        mask[row, row] = True
+    return mask
+
+
+def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = "cpu") -> PagedBatch:
+    """Build the padded tensors for :meth:`ModelRunner.forward_paged`."""
+    bsz = len(items)
+    t_max = max(len(it.token_ids) for it in items)
+    s_max = max(len(it.prefix_slots) + len(it.extra_slots) + len(it.token_ids) for it in items)
+    l_max = max(1, max(len(it.logits_rows) for it in items))
+    input_ids = torch.zeros(bsz, t_max, dtype=torch.long)
+    positions = torch.zeros(bsz, t_max, dtype=torch.long)
+    write_slots = torch.full((bsz, t_max), scratch_slot, dtype=torch.long)
+    kv_slots = torch.full((bsz, s_max), scratch_slot, dtype=torch.long)
+    attn_mask = torch.zeros(bsz, t_max, s_max, dtype=torch.bool)
+    logits_index = torch.zeros(bsz, l_max, dtype=torch.long)
+    for b, it in enumerate(items):
+        t, p, e = len(it.token_ids), len(it.prefix_slots), len(it.extra_slots)
+        input_ids[b, :t] = torch.tensor(it.token_ids)
+        positions[b, :t] = torch.tensor(it.positions)
+        write_slots[b, :t] = torch.tensor(it.write_slots)
+        kv_slots[b, :p] = torch.tensor(it.prefix_slots, dtype=torch.long)
+        attn_mask[b, :t, :p] = True
+        if e:
+            kv_slots[b, p : p + e] = torch.tensor(it.extra_slots)
+            attn_mask[b, :t, p : p + e] = it.extra_mask
+        p += e
+        kv_slots[b, p : p + t] = torch.tensor(it.write_slots)
+        attn_mask[b, :t, p : p + t] = new_token_mask(it.num_pending, it.parents)
+        attn_mask[b, t:, 0] = True  # pad queries see one slot, so softmax stays finite; their output is unused
+        if it.logits_rows:
+            logits_index[b, : len(it.logits_rows)] = torch.tensor(it.logits_rows)
+    return PagedBatch(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        write_slots=write_slots.to(device),
+        kv_slots=kv_slots.to(device),
+        attn_mask=attn_mask.to(device),
+        logits_index=logits_index.to(device),
+    )
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def reconcile_tree_slots(slots_of_position, n: int, path: list[int]) -> tuple[list[int], list[int]]:
+    """(src, dst) slot lists that move the accepted nodes' K/V to positions ``n, n+1, ...``.
+
+    ``slots_of_position(start, end)`` maps positions to the request's slots; node i was written at the slot of
+    position ``n + i``.
+    """
+    if not path:
+        return [], []
+    src = [slots_of_position(n + i, n + i + 1)[0] for i in path]
+    dst = slots_of_position(n, n + len(path))
+    moves = [(s, d) for s, d in zip(src, dst) if s != d]
+    return [s for s, _ in moves], [d for _, d in moves]

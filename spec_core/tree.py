@@ -1,0 +1,266 @@
+"""Token-tree verification (SpecInfer-style): greedy and exact multi-branch stochastic sampling.
+
+A tree holds N draft nodes in topological order; ``parents[i] == -1`` hangs node i off the root (the last committed
+token). The verifier runs one target forward over ``[last_committed] + nodes`` with :meth:`TokenTree.ancestor_mask`
+as the attention mask among new nodes, giving ``target [N+1, V]``: row 0 is the distribution after the committed
+prefix, row ``1 + i`` the distribution for the children of node i. A round emits the accepted path followed by one
+recovered (after rejecting every child) or bonus (at a leaf) token.
+
+Stochastic rule (Miao et al. 2024, recursive rejection over siblings): at a node with target p, test its children
+c_1..c_m in order; accept c_k with probability min(1, p(x_k)/q_k(x_k)); on rejection set p := norm(max(0, p - q_k))
+and try the next sibling; if all are rejected (or there are none) draw the last token from the current p. Why it is
+exact: one test of x ~ q against p emits x with probability min(p, q)(x), and otherwise passes on the residual, so
+"accept, or continue with the residual" is distributed as p, by induction over the remaining siblings. This needs
+sibling k to be drawn from q_k independently of the earlier siblings: i.i.d. sampling *with replacement* (duplicate
+tokens allowed) from the same q satisfies it; sampling without replacement would need a different q update.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spec_core.rejection import PLACEHOLDER, RejectionOutput
+from spec_core.sampling import normalise, sample_from_probs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTree:
+    """Draft tree: ``parents[i]`` (-1 = root), ``token_ids[i]``, and ``draft_probs [N, V]`` whose row i is the
+    distribution node i's token was sampled from given its parent path (may be None for greedy trees)."""
+
+    parents: list[int]
+    token_ids: list[int]
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.parents)
+        if len(self.token_ids) != n:
+            raise ValueError(f"parents has {n} entries but token_ids has {len(self.token_ids)}")
+        for i, par in enumerate(self.parents):
+            if not -1 <= par < i:
+                raise ValueError(f"node {i} has parent {par}; need -1 <= parent < own index (topological order)")
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
+            raise ValueError(f"draft_probs must be [{n}, V], got {tuple(self.draft_probs.shape)}")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    def depths(self) -> list[int]:
+        out: list[int] = []
+        for par in self.parents:
+            out.append(1 if par < 0 else out[par] + 1)
+        return out
+
+    def children(self, i: int) -> list[int]:
+        return [j for j, par in enumerate(self.parents) if par == i]
+
+    def child_lists(self) -> list[list[int]]:
+        """``out[i + 1]`` lists the children of node i in order (``out[0]``: the root's)."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for j, par in enumerate(self.parents):
+            out[par + 1].append(j)
+        return out
+
+    def path_to(self, i: int) -> list[int]:
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[N, N]`` bool, ``mask[i, j]``: j is i or an ancestor of i (tree attention among the new nodes)."""
+        n = self.num_nodes
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, par in enumerate(self.parents):
+            if par >= 0:
+                mask[i] |= mask[par]
+        return mask
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int], draft_probs: torch.Tensor | None = None) -> TokenTree:
+        return cls(list(range(-1, len(token_ids) - 1)), list(token_ids), draft_probs)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) row-wise, falling back to p where that is all zero (p <= q everywhere)."""
+    res = normalise((p - q).clamp_min(0.0))
+    empty = res.sum(-1, keepdim=True) <= 0
+    if bool(empty.any()):
+        logger.debug("all-zero residual in %d row(s); falling back to p", int(empty.sum()))
+    return torch.where(empty, p, res)
+
+
+def greedy_verify_tree(target_logits: torch.Tensor, tree: TokenTree) -> list[int]:
+    """Follow the child whose token is the target argmax (first such sibling) while one exists, then emit the
+    argmax. ``target_logits [N+1, V]`` (probabilities work too)."""
+    return greedy_verify_tree_path(target_logits, tree)[0]
+
+
+def greedy_verify_tree_path(target_logits: torch.Tensor, tree: TokenTree) -> tuple[list[int], list[int]]:
+    """:func:`greedy_verify_tree`, also returning the accepted node indices (root to leaf)."""
+    if target_logits.shape[0] != tree.num_nodes + 1:
+        raise ValueError(f"target_logits must have {tree.num_nodes + 1} rows, got {target_logits.shape[0]}")
+    argmax = target_logits.argmax(-1).tolist()
+    kids = tree.child_lists()
+    out: list[int] = []
+    path: list[int] = []
+    cur = -1
+    while True:
+        a = argmax[cur + 1]
+        nxt = next((c for c in kids[cur + 1] if tree.token_ids[c] == a), None)
+        out.append(a)
+        if nxt is None:
+            return out, path
+        path.append(nxt)
+        cur = nxt
+
+
+def stochastic_verify_tree(
+    target_probs: torch.Tensor, tree: TokenTree, uniforms: torch.Tensor, sibling_recursion: bool = True
+) -> list[int]:
+    """Exact multi-branch speculative sampling; see :func:`stochastic_verify_tree_path`."""
+    return stochastic_verify_tree_path(target_probs, tree, uniforms, sibling_recursion)[0]
+
+
+def stochastic_verify_tree_path(
+    target_probs: torch.Tensor, tree: TokenTree, uniforms: torch.Tensor, sibling_recursion: bool = True
+) -> tuple[list[int], list[int]]:
+    """Exact multi-branch speculative sampling (module docstring); returns the emitted tokens and the accepted
+    node indices (siblings may share a token, so the path cannot be recovered from the tokens alone).
+
+    Args:
+        target_probs: ``[N+1, V]`` target distributions (row 0: root, row 1+i: children of node i).
+        tree: with ``draft_probs``; row i must be the distribution node i was sampled from.
+        uniforms: 1-D, at least N+1 uniforms in [0, 1), consumed in order: one per acceptance test, one final draw.
+        sibling_recursion: False is a NEGATIVE CONTROL ONLY (biased): every sibling is tested against the original
+            p, and after all are rejected the last token comes from norm(max(0, p - q_last)).
+    """
+    n = tree.num_nodes
+    dp = tree.draft_probs
+    if dp is None and n > 0:
+        raise ValueError("stochastic verification needs tree.draft_probs")
+    if target_probs.shape[0] != n + 1:
+        raise ValueError(f"target_probs must have {n + 1} rows, got {target_probs.shape[0]}")
+    if uniforms.numel() < n + 1:
+        raise ValueError(f"need at least {n + 1} uniforms, got {uniforms.numel()}")
+    kids = tree.child_lists()
+    out: list[int] = []
+    path: list[int] = []
+    k = 0
+    cur = -1
+    while True:
+        p = p_orig = target_probs[cur + 1]  # without recursion p stays p_orig
+        q_last = None
+        nxt = None
+        for c in kids[cur + 1]:
+            x = tree.token_ids[c]
+            q = dp[c]  # type: ignore[index]
+            accept = bool(uniforms[k] * q[x] < p[x])
+            k += 1
+            if accept:
+                nxt = c
+                break
+            if sibling_recursion:
+                p = _residual(p[None], q[None])[0]
+            q_last = q
+        if nxt is None:
+            if not sibling_recursion and q_last is not None:
+                p = _residual(p_orig[None], q_last[None])[0]
+            out.append(int(sample_from_probs(p[None], uniforms[k : k + 1])[0]))
+            return out, path
+        out.append(tree.token_ids[nxt])
+        path.append(nxt)
+        cur = nxt
+
+
+def stochastic_verify_tree_batch(
+    target_probs: torch.Tensor,
+    parents: Sequence[int],
+    token_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+    sibling_recursion: bool = True,
+) -> RejectionOutput:
+    """:func:`stochastic_verify_tree` for B trees of one shape, vectorised over B; same uniform consumption, so it
+    gives the same tokens row by row.
+
+    Args: ``target_probs [B, N+1, V]``, ``parents`` (shared), ``token_ids [B, N]``, ``draft_probs [B, N, V]``,
+    ``uniforms [B, N+1]``. Returns ``token_ids [B, D+1]`` (D = tree depth, padded with -1) and ``num_accepted [B]``.
+    """
+    bsz, n1, _ = target_probs.shape
+    shape = TokenTree(list(parents), [0] * len(parents))
+    kids = shape.child_lists()
+    fan = max(1, max(len(k) for k in kids))
+    dev = target_probs.device
+    table = torch.tensor([k + [-1] * (fan - len(k)) for k in kids], dtype=torch.long, device=dev)
+    depth = max(shape.depths(), default=0)
+    rows = torch.arange(bsz, device=dev)
+    out = torch.full((bsz, depth + 1), PLACEHOLDER, dtype=torch.long, device=dev)
+    num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
+    counter = torch.zeros(bsz, dtype=torch.long, device=dev)
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    cur = torch.full((bsz,), -1, dtype=torch.long, device=dev)
+    p = target_probs[:, 0]
+    for step in range(depth + 1):
+        p_orig = p
+        moved = torch.zeros_like(done)
+        tested = torch.zeros_like(done)
+        q_last = torch.zeros_like(p)
+        nxt = cur.clone()
+        slots = table[cur + 1]
+        for j in range(fan):
+            c = slots[:, j]
+            active = ~done & ~moved & (c >= 0)
+            if not bool(active.any()):
+                break
+            cc = c.clamp_min(0)
+            x = token_ids[rows, cc]
+            q = draft_probs[rows, cc]
+            acc = active & (uniforms[rows, counter] * q[rows, x] < p[rows, x])  # p stays p_orig without recursion
+            counter = counter + active.long()
+            moved |= acc
+            nxt = torch.where(acc, c, nxt)
+            rej = active & ~acc
+            if sibling_recursion:
+                p = torch.where(rej[:, None], _residual(p, q), p)
+            else:
+                q_last = torch.where(rej[:, None], q, q_last)
+                tested |= rej
+        stop = ~done & ~moved
+        dist = p if sibling_recursion else torch.where(tested[:, None], _residual(p_orig, q_last), p_orig)
+        last = sample_from_probs(dist, uniforms[rows, counter.clamp(max=n1 - 1)])
+        taken = token_ids[rows, nxt.clamp_min(0)] if n1 > 1 else out[:, step]
+        out[:, step] = torch.where(stop, last, torch.where(moved, taken, out[:, step]))
+        num_acc += moved.long()
+        done |= stop
+        cur = nxt
+        p = torch.where(moved[:, None], target_probs[rows, cur + 1], p)
+    return RejectionOutput(out, num_acc)
+
+
+def verify_trees(
+    target_probs_list: Sequence[torch.Tensor],
+    trees: Sequence[TokenTree],
+    greedy_flags: Sequence[bool],
+    uniforms_list: Sequence[torch.Tensor | None],
+) -> list[list[int]]:
+    """Per-request dispatch: greedy rows use :func:`greedy_verify_tree` (uniforms may be None), others stochastic."""
+    if not len(target_probs_list) == len(trees) == len(greedy_flags) == len(uniforms_list):
+        raise ValueError("verify_trees: argument lists differ in length")
+    out = []
+    for probs, tree, greedy, uni in zip(target_probs_list, trees, greedy_flags, uniforms_list, strict=True):
+        if greedy:
+            out.append(greedy_verify_tree(probs, tree))
+        else:
+            if uni is None:
+                raise ValueError("stochastic rows need uniforms")
+            out.append(stochastic_verify_tree(probs, tree, uni))
+    return out

@@ -1,0 +1,196 @@
+"""The verifier engine: one target forward per step over a packed ragged batch, exact verification, KV reconciliation.
+
+``step()``:
+  1. the scheduler picks each request's pending tokens (prompt chunk or last token) within the token budget;
+  2. requests that have caught up get a speculation tree from the proposer (none in AR mode);
+  3. one ``forward_paged`` call runs every request's pending tokens and tree nodes (tree-shaped attention);
+  4. each tree is verified (greedy or exact stochastic, per request) and emits accepted tokens + one more;
+  5. the accepted path's K/V is compacted into place and blocks past the new committed length are freed;
+  6. finished requests leave the batch and give back their blocks on both sides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_core.block_manager import BlockManager
+from spec_core.decoding import DecodeStats
+from spec_core.packing import WorkItem, node_depths, pack, reconcile_tree_slots
+from spec_core.runner import ModelRunner
+from spec_core.sampling import logits_to_probs
+from spec_core.sequence import Sequence
+from spec_core.tree import TokenTree, greedy_verify_tree_path, stochastic_verify_tree_path
+from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_blocks: int = 1024
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """Engine-wide counters; per-request ones live in ``stats`` of each request."""
+
+    num_steps: int = 0
+    forward_s: float = 0.0
+    step_s: float = 0.0
+    draft_s: float = 0.0
+    tokens_emitted: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    def to_json(self) -> dict:
+        s = self.stats
+        return {
+            "num_steps": self.num_steps,
+            "forward_s": self.forward_s,
+            "step_s": self.step_s,
+            "outside_forward_fraction": 1 - self.forward_s / self.step_s if self.step_s else None,
+            "draft_s": self.draft_s,
+            "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else None,
+            "peak_kv_usage": max(self.kv_usage, default=0.0),
+            "mean_tokens_per_round": s.num_accepted / s.num_rounds + 1 if s.num_rounds else None,
+            "acceptance_rate": s.acceptance_rate,
+            "acceptance_by_position": s.acceptance_by_position(),
+            "num_rounds": s.num_rounds,
+        }
+
+
+Proposer = Callable[[list[Sequence], list[int]], list[TokenTree]]
+
+
+class VerifierEngine:
+    """Continuous-batching verifier over a paged KV cache. ``drafter`` is None for plain AR decoding."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter=None, k: int = 0) -> None:
+        self.runner = runner
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.metrics = EngineMetrics()
+        self.req_stats: dict[str, DecodeStats] = {}
+
+    # ---- request lifecycle ---------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.req_stats[seq.request_id] = DecodeStats()
+        self.scheduler.add(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        seq.finish_reason = seq.finish_reason or "cancelled"
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def _k_for(self, seq: Sequence) -> int:
+        return max(0, min(self.k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
+
+    def _item(self, work: ScheduledSeq, tree: TokenTree | None) -> WorkItem:
+        seq, c = work.seq, work.seq.num_computed
+        end = c + work.num_pending
+        slots = lambda a, b: self.blocks.slots(seq.request_id, a, b)  # noqa: E731
+        tokens = seq.token_ids[c:end]
+        if tree is None:
+            return WorkItem(slots(0, c), tokens, list(range(c, end)), slots(c, end), len(tokens), [], [])
+        n = seq.num_tokens
+        depths = node_depths(tree.parents)
+        return WorkItem(
+            prefix_slots=slots(0, c),
+            token_ids=tokens + tree.token_ids,
+            positions=list(range(c, n)) + [n - 1 + d for d in depths],
+            write_slots=slots(c, n) + slots(n, n + tree.num_nodes),
+            num_pending=len(tokens),
+            parents=tree.parents,
+            logits_rows=[len(tokens) - 1 + i for i in range(tree.num_nodes + 1)],
+        )
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree) -> tuple[list[int], list[int]]:
+        """``logits [N+1, V]`` → (emitted tokens: accepted path + one, accepted node indices)."""
+        if seq.params.greedy:
+            return greedy_verify_tree_path(logits, tree)
+        p = seq.params
+        probs = logits_to_probs(logits[None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                                torch.tensor([p.top_p]))[0]
+        return stochastic_verify_tree_path(probs, tree, seq.uniforms(tree.num_nodes + 1))
+
+    def step(self) -> list[Sequence]:
+        """Run one step; returns the requests that finished in it."""
+        t_step = time.perf_counter()
+        work = self.scheduler.schedule()
+        if not work:
+            return []
+        spec_work = [w for w in work if w.speculate]
+        trees: dict[str, TokenTree] = {}
+        if self.drafter is not None and spec_work:
+            seqs = [w.seq for w in spec_work]
+            t_d = time.perf_counter()
+            for seq, tree in zip(seqs, self.drafter.propose(seqs, [self._k_for(s) for s in seqs])):
+                trees[seq.request_id] = tree
+            self.metrics.draft_s += time.perf_counter() - t_d
+        empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
+        items = [self._item(w, trees.get(w.seq.request_id, empty) if w.speculate else None) for w in work]
+        batch = pack(items, self.cache.scratch_slot)
+        t_f = time.perf_counter()
+        logits = self.runner.forward_paged(self.cache, batch)
+        self.metrics.forward_s += time.perf_counter() - t_f
+        finished = []
+        for b, w in enumerate(work):
+            if not w.speculate:
+                w.seq.num_computed += w.num_pending
+                continue
+            tree = trees.get(w.seq.request_id, empty)
+            self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1])
+            if w.seq.finished:
+                self._finish(w.seq)
+                finished.append(w.seq)
+        m = self.metrics
+        m.num_steps += 1
+        m.batch_sizes.append(len(work))
+        m.kv_usage.append(self.blocks.usage)
+        m.step_s += time.perf_counter() - t_step
+        return finished
+
+    def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> None:
+        """Verify, reconcile the target's K/V with the accepted path, append, and tell the drafter."""
+        emitted, path = self._verify(seq, logits, tree)
+        n = seq.num_tokens
+        src, dst = reconcile_tree_slots(lambda a, b: self.blocks.slots(seq.request_id, a, b), n, path)
+        self.cache.copy_slots(src, dst)
+        seq.num_computed = n + len(path)
+        self.blocks.commit(seq.request_id, seq.num_computed)
+        depth = max(node_depths(tree.parents), default=0)
+        stats = self.req_stats[seq.request_id]
+        taken = seq.append(emitted)
+        stats.record_round(depth, len(path))
+        self.metrics.stats.record_round(depth, len(path))
+        stats.num_generated = len(seq.output_ids)
+        self.metrics.tokens_emitted += len(taken)
+        if self.drafter is not None:
+            self.drafter.commit(seq, n, tree, path)
+
+    def run(self, on_finish: Callable[[Sequence], None] | None = None) -> None:
+        """Step until every request is done."""
+        while self.has_work():
+            for seq in self.step():
+                if on_finish is not None:
+                    on_finish(seq)
