@@ -182,7 +182,7 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
     report = {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
-                     "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},
+                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
         "results": results,
     }
     print_summary(report)

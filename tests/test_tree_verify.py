@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spec_core.rejection import greedy_verify, stochastic_verify
+from spec_core.rejection import PLACEHOLDER, greedy_verify, stochastic_verify
 from spec_core.sampling import normalise, sample_from_probs
 from spec_core.tree import (
     TokenTree,
@@ -257,3 +257,51 @@ def test_batch_tree_matches_target_joint(case):
 @pytest.mark.parametrize("case", ["random", "q_with_zeros", "distinct_sibling_q"])
 def test_batch_negative_control_fails(case):
     assert _run_batch(case, False) < FAIL_P
+
+
+def test_tree_distribution_on_small_model(tmp_path):
+    """First two tokens of stochastic tree verification follow a real (tiny, vocab 32) target model's joint
+    distribution; p and q come from two random Llama models, 50k samples in one batched run."""
+    from conftest import save_tiny_model
+
+    from spec_core.runner import ModelRunner
+    from spec_core.sampling import logits_to_probs
+    from spec_core.tree import stochastic_verify_tree_batch
+
+    vocab = 32
+    target = ModelRunner(save_tiny_model(tmp_path / "t", "llama", 21, vocab_size=vocab))
+    draft = ModelRunner(save_tiny_model(tmp_path / "d", "llama", 22, vocab_size=vocab, num_hidden_layers=1))
+    prompt = [3, 1, 4, 1, 5]
+
+    def dists(runner):
+        ctx = torch.tensor([prompt + [a] for a in range(vocab)])
+        logits = runner.forward(runner.new_cache(vocab, 8), ctx, torch.arange(len(prompt) + 1).expand(vocab, -1))
+        temp = torch.full((vocab,), 0.8)
+        root = logits_to_probs(logits[:1, -2], temp[:1])[0]
+        return root, logits_to_probs(logits[:, -1], temp)  # p(.|prompt), p(.|prompt + a)
+
+    p_root, p2 = dists(target)
+    q_root, q2 = dists(draft)
+    n, fan = 50_000, 3
+    gen = torch.Generator().manual_seed(9)
+    roots = torch.multinomial(q_root, n * fan, replacement=True, generator=gen).view(n, fan)
+    kids = torch.multinomial(q2[roots.view(-1)], 1, generator=gen).view(n, fan)
+    token_ids = torch.cat([roots, kids], 1)
+    parents = [-1] * fan + list(range(fan))
+    draft_probs = torch.cat([q_root.expand(n, fan, vocab), q2[roots]], 1)
+    # Rows: root, then children of each node. Rows of the depth-2 nodes only feed a third token (not tested here).
+    target_probs = torch.cat([p_root.expand(n, 1, vocab), p2[roots], p2[kids]], 1)
+
+    def first_two(recursion: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        out = stochastic_verify_tree_batch(target_probs, parents, token_ids, draft_probs,
+                                           torch.rand(n, 2 * fan + 1, generator=g), sibling_recursion=recursion)
+        first, second = out.token_ids[:, 0], out.token_ids[:, 1]
+        # A round that emitted one token continues next round from p(.|prompt + first): draw that here.
+        fresh = torch.multinomial(p2[first], 1, generator=g).squeeze(1)
+        second = torch.where(second == PLACEHOLDER, fresh, second)
+        return first, second
+
+    joint = p_root[:, None] * p2
+    assert _joint_chi2_pvalue(*first_two(True), joint) > PASS_P
+    assert _joint_chi2_pvalue(*first_two(False), joint) < FAIL_P
