@@ -87,17 +87,20 @@ class BatchDrafter:
         self.draft_s += time.perf_counter() - t0
         return trees
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, width: list[int], root: bool):
-        """Pick ``width[i]`` tokens per request from ``logits [B, W, V]`` (W rows per request)."""
-        probs = logits_to_probs(logits, *_params(seqs))
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, width: int, root: bool):
+        """Pick ``width`` tokens per request from ``logits [B, W, V]``; returns (probs or None, picks).
+
+        Greedy requests need no distributions (the verifier checks argmax only), so none are computed for them.
+        """
+        greedy = [s.params.greedy for s in seqs]
+        probs = None if all(greedy) else logits_to_probs(logits, *_params(seqs))
         tokens: list[list[int]] = []
         for i, seq in enumerate(seqs):
-            rows = probs[i, : (1 if root else width[i])]
-            if seq.params.greedy:
-                picks = torch.topk(logits[i, 0], width[i]).indices.tolist() if root else rows.argmax(-1).tolist()
+            if greedy[i]:
+                picks = torch.topk(logits[i, 0], width).indices.tolist() if root else logits[i, :width].argmax(-1).tolist()
             else:
-                src = rows.expand(width[i], -1) if root else rows
-                picks = sample_from_probs(src, seq.uniforms(width[i])).tolist()
+                src = probs[i, :1].expand(width, -1) if root else probs[i, :width]
+                picks = sample_from_probs(src, seq.uniforms(width)).tolist()
             tokens.append(picks)
         return probs, tokens
 
@@ -114,10 +117,10 @@ class BatchDrafter:
         logits = self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
         for s, ni in zip(seqs, n):
             self.num_computed[s.request_id] = ni
-        probs, picks = self._sample(seqs, logits, [b] * len(seqs), root=True)
+        probs, picks = self._sample(seqs, logits, b, root=True)
         parents = [[-1] * b for _ in seqs]
         tokens = [list(p) for p in picks]
-        rows = [[probs[i, 0]] * b for i in range(len(seqs))]
+        rows: list[list[torch.Tensor]] = [[probs[i, 0]] * b if probs is not None else [] for i in range(len(seqs))]
         for depth in range(1, max(ks)):
             live = [i for i, k in enumerate(ks) if k > depth]
             items = []
@@ -135,13 +138,15 @@ class BatchDrafter:
                 ))
             logits = self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
             sub = [seqs[i] for i in live]
-            probs, picks = self._sample(sub, logits, [b] * len(sub), root=False)
+            probs, picks = self._sample(sub, logits, b, root=False)
             for j, i in enumerate(live):
                 for f in range(b):
                     parents[i].append((depth - 1) * b + f)
                     tokens[i].append(picks[j][f])
-                    rows[i].append(probs[j, f])
-        return [TokenTree(parents=parents[i], token_ids=tokens[i], draft_probs=torch.stack(rows[i]))
+                    if probs is not None:
+                        rows[i].append(probs[j, f])
+        return [TokenTree(parents=parents[i], token_ids=tokens[i],
+                          draft_probs=None if seqs[i].params.greedy else torch.stack(rows[i]))
                 for i in range(len(seqs))]
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int]) -> None:

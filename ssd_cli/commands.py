@@ -139,6 +139,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_verifier(args: argparse.Namespace) -> int:
+    import json
+
+    from benchmarks.verifier_bench import VerifierBenchSettings, run_verifier_bench
+
+    try:
+        sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    except ValueError:
+        raise CliError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    settings = VerifierBenchSettings(batch_sizes=sizes, max_new_tokens=args.max_new_tokens, threads=args.threads or 1)
+    report = run_verifier_bench(settings, *_model_configs(args, need_draft=True))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def cmd_train_pair(args: argparse.Namespace) -> int:
     import torch
 

@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target-threads", type=int, default=1)
     _add_model_flags(b)
 
+    bv = sub.add_parser("bench-verifier", help="verifier tokens/s at several batch sizes, chain and tree")
+    bv.add_argument("--batch-sizes", default="1,4,16")
+    bv.add_argument("--max-new-tokens", type=int, default=64)
+    bv.add_argument("--out", help="write results JSON here")
+    _add_model_flags(bv)
+
     t = sub.add_parser("train-pair", help="train the target/draft pair on the stdlib source")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -103,6 +109,7 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
         "batch": commands.cmd_batch,
         "demo": commands.cmd_demo,
         "bench": commands.cmd_bench,
+        "bench-verifier": commands.cmd_bench_verifier,
         "train-pair": commands.cmd_train_pair,
     }
 

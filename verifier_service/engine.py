@@ -86,6 +86,10 @@ class VerifierEngine:
 
     # ---- request lifecycle ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        limit = self.runner.spec.max_positions
+        if seq.num_tokens >= limit:
+            raise ValueError(f"request {seq.request_id}: {seq.num_tokens} tokens; the context limit is {limit}")
+        seq.max_len = min(seq.max_len, limit)
         self.req_stats[seq.request_id] = DecodeStats()
         self.scheduler.add(seq)
 
