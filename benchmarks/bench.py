@@ -27,7 +27,7 @@ from spec_core.prompts import humaneval_prompts, read_prompt_file
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd")
+BENCH_MODES = ("ar", "sd", "hf-generate", "hf-assisted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +126,7 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "itl_s_p50": _percentile(runs.itls, 50),
         "itl_s_p99": _percentile(runs.itls, 99),
         "mean_tokens_per_round": s.mean_tokens_per_round if mode != "ar" else 1.0,
+        "batching": "batch 1" if mode.startswith("hf") else None,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_by_position": s.acceptance_by_position() if mode != "ar" else None,
         "cache_hit_rate": None,
@@ -145,12 +146,37 @@ def _prompts(settings: BenchSettings) -> list[str]:
     return humaneval_prompts(settings.num_prompts)
 
 
+class ModeRunner:
+    """Runs one request in any bench mode; every mode shares the loaded models and the tokenised prompt."""
+
+    def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> None:
+        self.gen = Generator(target, draft, k=settings.k)
+        self.hf: dict[str, object] = {}
+        if "hf-generate" in settings.modes or "hf-assisted" in settings.modes:
+            from benchmarks.hf_baselines import HFGenerate
+
+            if "hf-generate" in settings.modes:
+                self.hf["hf-generate"] = HFGenerate(target.path)
+            if "hf-assisted" in settings.modes:
+                self.hf["hf-assisted"] = HFGenerate(target.path, draft.path if draft else None)
+
+    def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        if mode not in self.hf:
+            return self.gen.generate(prompt, params, mode=mode)
+        ids = self.gen.encode(prompt)
+        tokens, stats, ttft = self.hf[mode].generate(ids, params)
+        return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
+                                stats=stats, ttft_s=ttft, emit_times=[])
+
+
 def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> dict:
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
     set_threads(settings.target_threads)
-    gen = Generator(target, draft, k=settings.k)
+    runner = ModeRunner(settings, target, draft)
+    gen = runner.gen
     prompts = _prompts(settings)
-    gen.generate(prompts[0], SamplingParams(max_new_tokens=4), mode="ar")  # warm-up
+    for mode in settings.modes:  # warm-up
+        runner.run(mode, prompts[0], SamplingParams(max_new_tokens=4))
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in settings.modes}
@@ -161,7 +187,7 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
                 for mode in order:
                     params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
                                             ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
-                    res = gen.generate(prompt, params, mode=mode)
+                    res = runner.run(mode, prompt, params)
                     r = runs[mode]
                     r.stats.merge(res.stats)
                     if res.stats.tokens_per_s:
@@ -191,13 +217,13 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
 
 def print_summary(report: dict) -> None:
     out = sys.stdout
-    out.write(f"{'mode':<8}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}{'greedy=AR':>11}\n")
+    out.write(f"{'mode':<12}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}{'greedy=AR':>11}\n")
     base = {r["temperature"]: r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
     for r in report["results"]:
         ratio = r["tokens_per_s"] / base[r["temperature"]] if base.get(r["temperature"]) else None
         acc = r["acceptance_rate"]
         out.write(
-            f"{r['mode']:<8}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
+            f"{r['mode']:<12}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
             f"{(f'{ratio:.2f}' if ratio else '-'):>7}{r['mean_tokens_per_round'] or 0:>11.2f}"
             f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{str(r['matches_target_greedy']):>11}\n"
         )

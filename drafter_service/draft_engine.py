@@ -60,6 +60,9 @@ class BatchDrafter:
         self.num_computed: dict[str, int] = {}
         self.draft_s = 0.0
 
+    def observe_verify_time(self, seconds: float) -> None:
+        """Synchronous drafting needs no verify-time estimate."""
+
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)
         self.num_computed.pop(seq.request_id, None)
@@ -149,7 +152,7 @@ class BatchDrafter:
                           draft_probs=None if seqs[i].params.greedy else torch.stack(rows[i]))
                 for i in range(len(seqs))]
 
-    def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int]) -> None:
+    def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int = 0) -> None:
         """Keep the draft K/V of the real outcome: ``x[0..n-1]`` plus the accepted nodes the draft already fed.
 
         Nodes of the last level were sampled but never fed, so they have no K/V yet.

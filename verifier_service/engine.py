@@ -35,6 +35,8 @@ class EngineConfig:
     num_blocks: int = 1024
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: Test hook: seconds added to every target forward (emulates a slower verifier).
+    verify_delay_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -156,7 +158,12 @@ class VerifierEngine:
         batch = pack(items, self.cache.scratch_slot)
         t_f = time.perf_counter()
         logits = self.runner.forward_paged(self.cache, batch)
-        self.metrics.forward_s += time.perf_counter() - t_f
+        if self.config.verify_delay_s:
+            time.sleep(self.config.verify_delay_s)
+        forward_s = time.perf_counter() - t_f
+        self.metrics.forward_s += forward_s
+        if self.drafter is not None:
+            self.drafter.observe_verify_time(forward_s)
         finished = []
         for b, w in enumerate(work):
             if not w.speculate:
@@ -190,7 +197,7 @@ class VerifierEngine:
         stats.num_generated = len(seq.output_ids)
         self.metrics.tokens_emitted += len(taken)
         if self.drafter is not None:
-            self.drafter.commit(seq, n, tree, path)
+            self.drafter.commit(seq, n, tree, path, self._k_for(seq))
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None) -> None:
         """Step until every request is done."""

@@ -1,0 +1,153 @@
+"""Online estimators for the fan-out inputs: acceptance rate a and power-law miss exponent r (with scale c).
+
+Both keep exponentially weighted sufficient statistics: with a half-life of h rounds every update first multiplies
+the stored weight by 2^(-1/h) (``half_life=None`` keeps everything). They are deterministic (no randomness).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+logger = logging.getLogger(__name__)
+
+R_MIN, R_MAX = 0.05, 10.0
+
+
+def _decay_factor(half_life: float | None) -> float:
+    if half_life is None:
+        return 1.0
+    if not math.isfinite(half_life) or half_life <= 0:
+        raise ValueError(f"half_life must be > 0 rounds or None, got {half_life!r}")
+    return 0.5 ** (1.0 / half_life)
+
+
+class AcceptanceEstimator:
+    """Per-token acceptance a from accepted counts of capped-geometric rounds (k accepted out of K drafted).
+
+    MLE: every drafted position the verifier reached is a Bernoulli trial, so a = sum(accepted) / sum(trials) with
+    trials = accepted + (1 if accepted < K else 0). The prior is ``prior_weight`` pseudo-rounds at ``prior_a`` with the
+    most recent K: each adds E[accepted] = a0(1-a0^K)/(1-a0) and E[trials] = E[accepted] + 1 - a0^K, whose ratio is
+    exactly a0 for any K. The prior does not decay; with a half-life h the data weight levels off near h/ln 2 rounds.
+    """
+
+    def __init__(self, half_life: float | None = 200.0, prior_a: float = 0.6, prior_weight: float = 5.0) -> None:
+        if not 0.0 < prior_a < 1.0:
+            raise ValueError(f"prior_a must be in (0, 1), got {prior_a!r}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight!r}")
+        self._decay = _decay_factor(half_life)
+        self._prior_a = prior_a
+        self._prior_weight = prior_weight
+        self._accepted = 0.0
+        self._trials = 0.0
+        self._last_k = 0
+
+    def update(self, num_accepted: int, k: int) -> None:
+        """Record one round: ``num_accepted`` of the ``k`` drafted tokens were accepted (0 <= num_accepted <= k)."""
+        if k < 0 or not 0 <= num_accepted <= k:
+            raise ValueError(f"need 0 <= num_accepted <= k, got num_accepted={num_accepted}, k={k}")
+        self._accepted = self._accepted * self._decay + num_accepted
+        self._trials = self._trials * self._decay + num_accepted + (1 if num_accepted < k else 0)
+        self._last_k = k
+
+    @property
+    def value(self) -> float:
+        """Posterior-mean-like estimate of a, in [0, 1]; the prior a0 until a round with k >= 1 arrives."""
+        a0, k = self._prior_a, self._last_k
+        prior_acc = self._prior_weight * a0 * (1.0 - a0**k) / (1.0 - a0)
+        prior_trials = prior_acc + self._prior_weight * (1.0 - a0**k)
+        trials = self._trials + prior_trials
+        if trials <= 0.0:
+            return a0
+        return (self._accepted + prior_acc) / trials
+
+
+class MissExponentEstimator:
+    """Power-law miss model fitted from the rank of the realised bonus token among the drafter's candidates.
+
+    Model (the paper's F^(-r) law with a free scale): P(R > F) = c·F^(-r) for F >= 1, where R is the 1-based rank of
+    the true bonus token (None: not within the top ``max_rank``, i.e. R > max_rank). So P(R = 1) = 1 - c and the miss
+    rate at fan-out F is ``miss_rate(F)``. Both parameters are fitted by maximum likelihood on the rank histogram:
+    c = share of observations with R > 1 (closed form), and r maximises the likelihood of the tail
+        sum_{j=2..M} n_j log((j-1)^(-r) - j^(-r)) - n_miss r log M,
+    which is concave in r, so bisection on its derivative finds the unique maximiser; r is clamped to [0.05, 10].
+    Until any R > 1 has been seen, r is ``prior_r``.
+    """
+
+    def __init__(self, max_rank: int = 16, half_life: float | None = 500.0, prior_r: float = 1.0) -> None:
+        if max_rank < 2:
+            raise ValueError(f"max_rank must be >= 2, got {max_rank!r}")
+        if not R_MIN <= prior_r <= R_MAX:
+            raise ValueError(f"prior_r must be in [{R_MIN}, {R_MAX}], got {prior_r!r}")
+        self.max_rank = max_rank
+        self._decay = _decay_factor(half_life)
+        self._prior_r = prior_r
+        self._counts = [0.0] * (max_rank + 2)  # index j = rank j (1..M); index M+1 = not in the top M
+        self._cached: float | None = None
+
+    def update(self, rank: int | None) -> None:
+        """Record the 1-based rank of the realised bonus token; None (or a rank > max_rank, or inf) is a miss."""
+        if rank is None or (isinstance(rank, float) and math.isinf(rank)) or rank > self.max_rank:
+            idx = self.max_rank + 1
+        elif rank >= 1:
+            idx = int(rank)
+        else:
+            raise ValueError(f"rank must be >= 1 or None, got {rank!r}")
+        if self._decay != 1.0:
+            self._counts = [n * self._decay for n in self._counts]
+        self._counts[idx] += 1.0
+        self._cached = None
+
+    @property
+    def count(self) -> float:
+        """Effective (decayed) number of observations."""
+        return sum(self._counts[1:])
+
+    @property
+    def c(self) -> float:
+        """Miss rate at fan-out 1, P(R > 1); 1.0 before any observation."""
+        total = self.count
+        return 1.0 if total <= 0.0 else 1.0 - self._counts[1] / total
+
+    def _dloglik(self, r: float) -> float:
+        """Derivative in r of the tail log-likelihood (see the class docstring)."""
+        out = -self._counts[self.max_rank + 1] * math.log(self.max_rank)
+        for j in range(2, self.max_rank + 1):
+            n = self._counts[j]
+            if n > 0.0:
+                x1, x2 = math.log(j - 1), math.log(j)
+                # d/dr log(e^{-r x1} - e^{-r x2}) = -x1 + (x2 - x1) / (e^{r (x2 - x1)} - 1)
+                out += n * (-x1 + (x2 - x1) / math.expm1(r * (x2 - x1)))
+        return out
+
+    @property
+    def r(self) -> float:
+        """Maximum-likelihood miss exponent, clamped to [0.05, 10]."""
+        if self._cached is None:
+            self._cached = self._fit_r()
+        return self._cached
+
+    def _fit_r(self) -> float:
+        if sum(self._counts[2:]) <= 0.0:
+            return self._prior_r
+        lo, hi = R_MIN, R_MAX
+        if self._dloglik(lo) <= 0.0:
+            return lo
+        if self._dloglik(hi) >= 0.0:
+            return hi
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if self._dloglik(mid) > 0.0:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
+
+    def miss_rate(self, fan_out: int) -> float:
+        """Modelled P(true bonus token not among the top ``fan_out`` candidates): c·F^(-r), and 1 at F = 0."""
+        if fan_out < 0:
+            raise ValueError(f"fan_out must be >= 0, got {fan_out!r}")
+        if fan_out == 0:
+            return 1.0
+        return min(1.0, self.c * fan_out ** (-self.r))

@@ -1,0 +1,162 @@
+"""The drafter as its own OS process (local two-process SSD), pinned to its own core, talking over a pipe.
+
+:class:`PipeLink` is the transport interface (``send``, ``poll``, ``recv``) that the gRPC transport also
+implements. The drafter loop blocks only on the link: it drains every event that has arrived, applies outcomes,
+answers misses just in time, then builds the next branch bundles for all requests in one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from drafter_service.ssd_drafter import DraftRequest, SSDConfig, SSDDrafter
+from spec_core.ngram import backup_tokens
+from spec_core.runner import ModelRunner
+from spec_core.sequence import Sequence
+from spec_core.speculation import FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
+
+logger = logging.getLogger(__name__)
+
+
+class PipeLink:
+    """One end of a ``multiprocessing`` pipe carrying the typed messages of :mod:`spec_core.speculation`."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.bytes_sent = 0
+
+    def send(self, msg: object) -> None:
+        self.conn.send(msg)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def recv(self) -> object:
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterProcessConfig:
+    draft_path: str
+    ssd: SSDConfig
+    core: int | None = 1
+    dtype: str = "float32"
+    #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
+    tree_delay_s: float = 0.0
+    backup: str = "ngram"
+    wait_fraction: float = 0.5
+
+
+def _drafter_seed(seed: int | None) -> int | None:
+    """The drafter's random stream must be independent of the verifier's acceptance uniforms."""
+    return None if seed is None else (seed * 1_000_003 + 0x5EED) % (1 << 63)
+
+
+class DrafterLoop:
+    """Event handling, separated from the process so it can be unit-tested in one process."""
+
+    def __init__(self, drafter: SSDDrafter, link: PipeLink, tree_delay_s: float = 0.0, backup: str = "ngram",
+                 wait_fraction: float = 0.5) -> None:
+        self.drafter = drafter
+        self.link = link
+        self.tree_delay_s = tree_delay_s
+        self.backup = backup
+        self.wait_fraction = wait_fraction
+        self.running = True
+
+    def handle(self, events: list[object]) -> None:
+        outcomes: list[OutcomeEvent] = []
+        for ev in events:
+            if isinstance(ev, PrefillEvent):
+                params = replace(ev.params, seed=_drafter_seed(ev.params.seed))
+                self.drafter.add(Sequence(ev.request_id, list(ev.token_ids), params), ev.k)
+            elif isinstance(ev, FreeEvent):
+                self.drafter.free(ev.request_id)
+            elif isinstance(ev, OutcomeEvent):
+                outcomes.append(ev)
+            elif ev == "stop":
+                self.running = False
+        reqs, specs, misses = [], [], []
+        for ev in outcomes:
+            req = self.drafter.requests.get(ev.request_id)
+            if req is None:
+                continue
+            bundle = req.bundle
+            own = bundle is not None and bundle.round == ev.round and bundle.base_tokens == ev.verified
+            hit = own and ev.key in bundle.entries
+            self.drafter.commit_outcome(req, ev.accepted, ev.bonus, own_speculation=own)
+            req.round = ev.round + 1
+            req.k = min(ev.next_k, self.drafter.config.k)
+            if req.k <= 0:
+                req.bundle = None
+                continue
+            reqs.append(req)
+            if hit:
+                specs.append(bundle.entries[ev.key])
+            elif self.drafter.jit_s_per_token * req.k < self.wait_fraction * ev.verify_s:
+                specs.append(None)
+                misses.append(len(reqs) - 1)
+            else:  # a just-in-time draft would be late: the verifier will use the backup, so build on it
+                specs.append(Speculation(backup_tokens(req.seq.token_ids, req.k, self.backup), None, "backup"))
+        if not reqs:
+            return
+        self._serve_misses(reqs, specs, misses)
+        if self.tree_delay_s:
+            time.sleep(self.tree_delay_s)
+        for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs)):
+            req.bundle = bundle
+            self.link.send(bundle)
+
+    def _serve_misses(self, reqs: list[DraftRequest], specs: list, misses: list[int]) -> None:
+        if not misses:
+            return
+        jit = self.drafter.draft_jit([reqs[i] for i in misses])
+        for i, spec in zip(misses, jit):
+            specs[i] = spec
+            self.link.send(SpeculationMsg(reqs[i].seq.request_id, reqs[i].round, spec))
+
+    def run(self) -> None:
+        while self.running:
+            events = [self.link.recv()]
+            while self.link.poll(0):
+                events.append(self.link.recv())
+            self.handle(events)
+
+
+def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
+    """Entry point of the drafter process: pin, load, serve until "stop"."""
+    if config.core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {config.core})
+    torch.set_num_threads(1)
+    from spec_core.config import parse_dtype
+
+    runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype))
+    link = PipeLink(conn)
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    link.send({"ready": True, "pid": os.getpid(), "affinity": affinity})
+    DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, config.backup, config.wait_fraction).run()
+
+
+def spawn_drafter(config: DrafterProcessConfig, timeout_s: float = 120.0) -> tuple[mp.Process, PipeLink, dict]:
+    """Start the drafter process and wait for its ready message (which reports its PID and CPU affinity)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=drafter_process_main, args=(child, config), daemon=True, name="ssd-drafter")
+    proc.start()
+    link = PipeLink(parent)
+    deadline = time.monotonic() + timeout_s
+    while not link.poll(0.1):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"drafter process did not become ready (exit code {proc.exitcode})")
+    info = link.recv()
+    return proc, link, info

@@ -1,0 +1,224 @@
+"""The SSD drafter core (Saguaro): per-outcome pre-drafting with its own paged KV cache, batched over requests.
+
+After the verifier's outcome of round R, for each request the drafter:
+  1. takes S_{R+1} from its cache on a hit, or drafts it just in time (K single-token steps, batched);
+  2. runs the *glue* forward over ``[bonus, S_{R+1}]`` (K+1 tokens at their true positions), giving the draft
+     distributions L_0..L_K after each prefix of the speculation;
+  3. forks the top-F_j candidate bonus tokens at every position j (excluding the drafted token S[j] for j < K:
+     after a rejection at j the bonus is never S[j] under greedy decoding and rarely under sampling);
+  4. decodes K tokens for every branch of every request in K batched forwards with tree attention (a branch sees
+     the prefix, ``glue[0..j]`` and its own earlier tokens; its K/V goes to scratch slots past the glue);
+  5. returns one :class:`BranchBundle` per request: ``(j, candidate) → Speculation`` with the exact q rows.
+
+KV reconciliation: on the next outcome (k accepted) the trunk ``prefix + bonus + S[:k]`` stays (it is the glue's
+K/V at its true positions) and everything past it is truncated; the branch that hit is re-glued next round.
+
+Saguaro sampling: sampled requests draw from q′ = q with the top-F tokens' mass scaled by C (then renormalised) and
+ship q′, so the verifier's acceptance test and residual use q′ and stay exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter_service.fanout import FanoutConfig, fanout_for
+from spec_core.block_manager import BlockManager
+from spec_core.packing import WorkItem, pack
+from spec_core.runner import ModelRunner
+from spec_core.sampling import logits_to_probs, saguaro_downweight, sample_from_probs
+from spec_core.sequence import Sequence
+from spec_core.speculation import BranchBundle, Speculation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SSDConfig:
+    k: int = 5
+    fanout: FanoutConfig = field(default_factory=FanoutConfig)
+    saguaro_c: float = 1.0
+    num_blocks: int = 1024
+    block_size: int = 16
+    #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
+    drop_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= 16:
+            raise ValueError(f"k must be in [1, 16], got {self.k}")
+        if not 0 < self.saguaro_c <= 1:
+            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """The drafter's view of one request: its tokens (the last is the latest bonus) and K/V progress."""
+
+    seq: Sequence
+    k: int
+    num_computed: int = 0
+    round: int = -1
+    bundle: BranchBundle | None = None
+
+
+class SSDDrafter:
+    """Builds speculations and branch bundles for many requests at once. Transport-free (see ``drafter_process``)."""
+
+    def __init__(self, runner: ModelRunner, config: SSDConfig) -> None:
+        self.runner = runner
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.requests: dict[str, DraftRequest] = {}
+        self.accept_rate = 0.6
+        self.miss_exponent = 1.0
+        self.jit_s_per_token = 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence, k: int) -> None:
+        self.requests[seq.request_id] = DraftRequest(seq=seq, k=min(k, self.config.k))
+
+    def free(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.blocks.free(request_id)
+
+    def _slots(self, rid: str, a: int, b: int) -> list[int]:
+        return self.blocks.slots(rid, a, b)
+
+    # ---- sampling -------------------------------------------------------------------------------------------
+    def _pick(self, req: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One token from ``logits [V]``: argmax for greedy, else a draw from Saguaro's q′ (returned)."""
+        seq = req.seq
+        if seq.params.greedy:
+            return int(logits.argmax()), None
+        p = seq.params
+        q = logits_to_probs(logits[None, None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
+                            torch.tensor([p.top_p]))[0, 0]
+        top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
+        q = saguaro_downweight(q, top_f, self.config.saguaro_c)
+        return int(sample_from_probs(q[None], seq.uniforms(1))[0]), q
+
+    def _forward(self, items: list[WorkItem]) -> torch.Tensor:
+        return self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
+
+    # ---- just-in-time drafting ------------------------------------------------------------------------------
+    def draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:
+        """K sequential batched steps from each request's pending tokens (the neural backup after a miss)."""
+        t0 = time.perf_counter()
+        specs = self._draft_jit(reqs)
+        steps = max(r.k for r in reqs)
+        if steps:
+            per_token = (time.perf_counter() - t0) / steps
+            self.jit_s_per_token = per_token if not self.jit_s_per_token else 0.7 * self.jit_s_per_token + 0.3 * per_token
+        return specs
+
+    def _draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:
+        toks: list[list[int]] = [[] for _ in reqs]
+        rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+        for step in range(max(r.k for r in reqs)):
+            live = [i for i, r in enumerate(reqs) if r.k > step]
+            items = []
+            for i in live:
+                r = reqs[i]
+                rid, n = r.seq.request_id, r.seq.num_tokens
+                self.blocks.ensure(rid, n + r.k + 1)
+                if step == 0:
+                    c = r.num_computed
+                    chunk, start = r.seq.token_ids[c:], c
+                else:
+                    chunk, start = [toks[i][-1]], n + step - 1
+                items.append(WorkItem(self._slots(rid, 0, start), chunk, list(range(start, start + len(chunk))),
+                                      self._slots(rid, start, start + len(chunk)), len(chunk), [], [len(chunk) - 1]))
+            logits = self._forward(items)
+            for j, i in enumerate(live):
+                tok, q = self._pick(reqs[i], logits[j, 0])
+                toks[i].append(tok)
+                if q is not None:
+                    rows[i].append(q)
+            for i in live:
+                reqs[i].num_computed = reqs[i].seq.num_tokens + step
+        return [Speculation(t, torch.stack(r) if r else None, source="jit") for t, r in zip(toks, rows)]
+
+    # ---- branch bundles -------------------------------------------------------------------------------------
+    def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
+        """Glue forward, fork, and K batched tree-decode steps for every request (module docstring)."""
+        glue_items, fans = [], []
+        for r, s in zip(reqs, specs):
+            rid, n = r.seq.request_id, r.seq.num_tokens
+            fan = fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
+            fans.append(fan)
+            c = min(r.num_computed, n - 1)
+            self.blocks.ensure(rid, n + s.k + r.k * sum(fan))
+            tokens = r.seq.token_ids[c:] + s.token_ids
+            glue_items.append(WorkItem(self._slots(rid, 0, c), tokens, list(range(c, n + s.k)),
+                                       self._slots(rid, c, n + s.k), len(tokens), [],
+                                       list(range(n - 1 - c, len(tokens)))))
+        glue_logits = self._forward(glue_items)
+        branches: list[list[tuple[int, int]]] = []
+        for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
+            r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S (speculatively)
+            roots = []
+            for j in range(s.k + 1):
+                if fan[j] == 0:
+                    continue
+                row = glue_logits[i, j].clone()
+                if j < s.k:
+                    row[s.token_ids[j]] = float("-inf")
+                roots.extend((j, int(t)) for t in torch.topk(row, fan[j]).indices.tolist())
+            branches.append(roots)
+        return self._decode_branches(reqs, specs, branches)
+
+    def _decode_branches(self, reqs, specs, branches) -> list[BranchBundle]:
+        now_tokens = [[c for _, c in br] for br in branches]
+        out_tokens: list[list[list[int]]] = [[[] for _ in br] for br in branches]
+        out_rows: list[list[list[torch.Tensor]]] = [[[] for _ in br] for br in branches]
+        k_max = max((r.k for r in reqs), default=0)
+        for step in range(k_max):
+            items, live = [], []
+            for i, (r, s, br) in enumerate(zip(reqs, specs, branches)):
+                if step >= r.k or not br:
+                    continue
+                live.append(i)
+                rid, n, m = r.seq.request_id, r.seq.num_tokens, len(br)
+                base = n + s.k  # first scratch position (slots only; RoPE positions are the true ones)
+                glue = self._slots(rid, n - 1, n + s.k)
+                earlier = self._slots(rid, base, base + step * m)
+                mask = torch.zeros(m, len(glue) + len(earlier), dtype=torch.bool)
+                for b, (j, _) in enumerate(br):
+                    mask[b, : j + 1] = True
+                    mask[b, len(glue) + b :: m] = True
+                items.append(WorkItem(self._slots(rid, 0, n - 1), [now_tokens[i][b] for b in range(m)],
+                                      [n + j + step for j, _ in br], self._slots(rid, base + step * m,
+                                                                                 base + (step + 1) * m),
+                                      0, [-1] * m, list(range(m)), extra_slots=glue + earlier, extra_mask=mask))
+            logits = self._forward(items)
+            for j, i in enumerate(live):
+                for b in range(len(branches[i])):
+                    tok, q = self._pick(reqs[i], logits[j, b])
+                    out_tokens[i][b].append(tok)
+                    if q is not None:
+                        out_rows[i][b].append(q)
+                    now_tokens[i][b] = tok
+        now = time.perf_counter()
+        bundles = []
+        for i, (r, br) in enumerate(zip(reqs, branches)):
+            entries = {key: Speculation(out_tokens[i][b], torch.stack(out_rows[i][b]) if out_rows[i][b] else None)
+                       for b, key in enumerate(br)} if not self.config.drop_cache else {}
+            bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now))
+        return bundles
+
+    def commit_outcome(self, req: DraftRequest, accepted: list[int], bonus: int, own_speculation: bool) -> None:
+        """Append the real outcome; keep the trunk K/V (prefix + accepted) and drop everything past it.
+
+        If the verified speculation was not this drafter's (a backup's), the glue K/V past the old bonus belongs
+        to other tokens and is dropped too.
+        """
+        n_before = req.seq.num_tokens
+        valid = min(req.num_computed, n_before + (len(accepted) if own_speculation else 0))
+        req.seq.output_ids.extend(accepted + [bonus])
+        req.num_computed = valid
+        if req.seq.request_id in self.blocks.tables:
+            self.blocks.commit(req.seq.request_id, valid)

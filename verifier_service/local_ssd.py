@@ -1,0 +1,87 @@
+"""Local two-process SSD: the verifier engine here (pinned to one core), the drafter in its own process (another).
+
+The two exchange outcomes and speculations over a pipe (:class:`drafter_service.process.PipeLink`), the same
+interface the gRPC transport implements, so the loop is tested and measured without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter_service.process import DrafterProcessConfig, spawn_drafter
+from drafter_service.ssd_drafter import SSDConfig
+from spec_core.runner import ModelRunner
+from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.scheduler import SchedulerConfig
+from verifier_service.ssd_proposer import SSDProposer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSSDConfig:
+    draft_path: str
+    ssd: SSDConfig = field(default_factory=SSDConfig)
+    verifier_core: int | None = 0
+    drafter_core: int | None = 1
+    backup: str = "ngram"
+    max_num_seqs: int = 8
+    num_blocks: int = 2048
+    block_size: int = 16
+    tree_delay_s: float = 0.0
+    verify_delay_s: float = 0.0
+    wait_fraction: float = 0.5
+
+
+class LocalSSD:
+    """Context manager owning the drafter process and an SSD-driven :class:`VerifierEngine`."""
+
+    def __init__(self, target: ModelRunner, config: LocalSSDConfig) -> None:
+        self.target = target
+        self.config = config
+        self._old_affinity: set[int] | None = None
+        self._old_threads = torch.get_num_threads()
+        self.proc = None
+        self.link = None
+        self.drafter_info: dict = {}
+        self.engine: VerifierEngine | None = None
+
+    def __enter__(self) -> LocalSSD:
+        cfg = self.config
+        self.proc, self.link, self.drafter_info = spawn_drafter(
+            DrafterProcessConfig(cfg.draft_path, cfg.ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
+                                 backup=cfg.backup, wait_fraction=cfg.wait_fraction)
+        )
+        if cfg.verifier_core is not None and hasattr(os, "sched_setaffinity"):
+            self._old_affinity = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cfg.verifier_core})
+        torch.set_num_threads(1)
+        proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction)
+        sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.k)
+        self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
+                                                               verify_delay_s=cfg.verify_delay_s),
+                                     drafter=proposer, k=cfg.ssd.k)
+        return self
+
+    @property
+    def proposer(self) -> SSDProposer:
+        assert self.engine is not None
+        return self.engine.drafter
+
+    def __exit__(self, *exc) -> None:
+        if self.link is not None:
+            try:
+                self.link.send("stop")
+            except (BrokenPipeError, OSError):
+                pass
+        if self.proc is not None:
+            self.proc.join(timeout=5)
+            if self.proc.is_alive():
+                self.proc.kill()
+        if self._old_affinity is not None:
+            os.sched_setaffinity(0, self._old_affinity)
+        torch.set_num_threads(self._old_threads)
