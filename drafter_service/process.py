@@ -75,17 +75,23 @@ class DrafterLoop:
 
     def handle(self, events: list[object]) -> None:
         outcomes: list[OutcomeEvent] = []
+        reqs, specs, misses = [], [], []
         for ev in events:
             if isinstance(ev, PrefillEvent):
                 params = replace(ev.params, seed=_drafter_seed(ev.params.seed))
                 self.drafter.add(Sequence(ev.request_id, list(ev.token_ids), params), ev.k)
+                # Round 0 verifies no speculation (the target's prefill): pre-draft for its bonus token already.
+                req = self.drafter.requests[ev.request_id]
+                req.round = 0
+                if req.k > 0:
+                    reqs.append(req)
+                    specs.append(Speculation([], None, "prefill"))
             elif isinstance(ev, FreeEvent):
                 self.drafter.free(ev.request_id)
             elif isinstance(ev, OutcomeEvent):
                 outcomes.append(ev)
             elif ev == "stop":
                 self.running = False
-        reqs, specs, misses = [], [], []
         for ev in outcomes:
             req = self.drafter.requests.get(ev.request_id)
             if req is None:

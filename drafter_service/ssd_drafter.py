@@ -45,6 +45,8 @@ class SSDConfig:
     block_size: int = 16
     #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
     drop_cache: bool = False
+    #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
+    ship_raw_q: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -98,8 +100,9 @@ class SSDDrafter:
         q = logits_to_probs(logits[None, None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
                             torch.tensor([p.top_p]))[0, 0]
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
-        q = saguaro_downweight(q, top_f, self.config.saguaro_c)
-        return int(sample_from_probs(q[None], seq.uniforms(1))[0]), q
+        q_prime = saguaro_downweight(q, top_f, self.config.saguaro_c)
+        tok = int(sample_from_probs(q_prime[None], seq.uniforms(1))[0])
+        return tok, q if self.config.ship_raw_q else q_prime
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
         return self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))

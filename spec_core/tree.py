@@ -37,6 +37,9 @@ class TokenTree:
     parents: list[int]
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
+    #: NEGATIVE CONTROL ONLY: verify by greedy match even when sampling (biased at T > 0; see
+    #: :func:`greedy_match_verify_tree_path`).
+    greedy_match: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.parents)
@@ -179,6 +182,20 @@ def stochastic_verify_tree_path(
         out.append(tree.token_ids[nxt])
         path.append(nxt)
         cur = nxt
+
+
+def greedy_match_verify_tree_path(
+    target_probs: torch.Tensor, tree: TokenTree, uniform: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """NEGATIVE CONTROL ONLY: accept nodes equal to the target argmax, then sample the last token from p.
+
+    This is how the reference implementation verifies its fast backup's tokens at T > 0. It is biased: a drafted
+    token that equals the argmax is accepted with probability 1 instead of p(x).
+    """
+    _, path = greedy_verify_tree_path(target_probs, tree)
+    row = target_probs[path[-1] + 1 if path else 0]
+    last = int(sample_from_probs(row[None], uniform.view(1))[0])
+    return [tree.token_ids[i] for i in path] + [last], path
 
 
 def stochastic_verify_tree_batch(

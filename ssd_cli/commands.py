@@ -155,6 +155,14 @@ def cmd_bench_verifier(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_costs(args: argparse.Namespace) -> int:
+    from benchmarks.cost_model import measure_costs
+
+    target, draft = _model_configs(args, need_draft=True)
+    print_json(measure_costs(target.path, draft.path, context=args.context, core=args.core, repeats=args.repeats))
+    return 0
+
+
 def cmd_train_pair(args: argparse.Namespace) -> int:
     import torch
 

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--out", help="write results JSON here")
     _add_model_flags(bv)
 
+    bc = sub.add_parser("bench-costs", help="time T(1) of target and draft on one pinned thread; c and V(K)")
+    bc.add_argument("--context", type=int, default=256)
+    bc.add_argument("--core", type=int, default=0)
+    bc.add_argument("--repeats", type=int, default=200)
+    _add_model_flags(bc)
+
     t = sub.add_parser("train-pair", help="train the target/draft pair on the stdlib source")
     t.add_argument("--out", required=True)
     t.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
@@ -110,6 +116,7 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
         "demo": commands.cmd_demo,
         "bench": commands.cmd_bench,
         "bench-verifier": commands.cmd_bench_verifier,
+        "bench-costs": commands.cmd_bench_costs,
         "train-pair": commands.cmd_train_pair,
     }
 

@@ -24,7 +24,12 @@ from spec_core.packing import WorkItem, node_depths, pack, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import logits_to_probs
 from spec_core.sequence import Sequence
-from spec_core.tree import TokenTree, greedy_verify_tree_path, stochastic_verify_tree_path
+from spec_core.tree import (
+    TokenTree,
+    greedy_match_verify_tree_path,
+    greedy_verify_tree_path,
+    stochastic_verify_tree_path,
+)
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -137,6 +142,8 @@ class VerifierEngine:
         p = seq.params
         probs = logits_to_probs(logits[None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
                                 torch.tensor([p.top_p]))[0]
+        if tree.greedy_match:
+            return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
         return stochastic_verify_tree_path(probs, tree, seq.uniforms(tree.num_nodes + 1))
 
     def step(self) -> list[Sequence]:

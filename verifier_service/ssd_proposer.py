@@ -60,13 +60,16 @@ class _ReqState:
 class SSDProposer:
     """Implements the engine's proposer interface (``propose``, ``commit``, ``release``) over a drafter link."""
 
-    def __init__(self, link, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5) -> None:
+    def __init__(self, link, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
+                 backup_greedy_match: bool = False) -> None:
+        """``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
         if backup not in ("ngram", "none"):
             raise ValueError(f"backup must be 'ngram' or 'none', got {backup!r}")
         self.link = link
         self.vocab_size = vocab_size
         self.backup = backup
         self.wait_fraction = wait_fraction
+        self.backup_greedy_match = backup_greedy_match
         self.state: dict[str, _ReqState] = {}
         self.stats = SSDStats()
         self.verify_s_ema = 0.01
@@ -132,11 +135,15 @@ class SSDProposer:
                         self.stats.jit += 1
                 waiting = still
             self.stats.wait_s += time.perf_counter() - t0
-        return [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
+        trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
+        flush = getattr(self.link, "flush", None)
+        if flush is not None:  # transports that batch sends deliver them now, before the verify
+            flush()
+        return trees
 
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
         st = self.state[seq.request_id]
-        if st.round > 0:
+        if st.round > 0 and k > 0:
             self.stats.rounds += 1
             self.stats.hits += int(st.used_hit)
         if spec is not None and k > 0:
@@ -149,6 +156,8 @@ class SSDProposer:
         if not tokens:
             return TokenTree(parents=[], token_ids=[], draft_probs=None)
         self.stats.backup += 1
+        if self.backup_greedy_match and not seq.params.greedy:
+            return TokenTree(list(range(-1, len(tokens) - 1)), tokens, None, greedy_match=True)
         return TokenTree.chain(tokens, None if seq.params.greedy else one_hot_rows(tokens, self.vocab_size))
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int) -> None:
@@ -157,7 +166,7 @@ class SSDProposer:
         now = time.perf_counter()
         st.verify_end = now
         accepted = [tree.token_ids[i] for i in path]
-        if st.round > 0:
+        if st.round > 0 and tree.num_nodes:
             tokens = len(accepted) + 1
             if st.used_hit:
                 self.stats.hit_rounds += 1
