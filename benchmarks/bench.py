@@ -27,7 +27,7 @@ from spec_core.prompts import humaneval_prompts, read_prompt_file
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "hf-generate", "hf-assisted")
+BENCH_MODES = ("ar", "sd", "ssd", "hf-generate", "hf-assisted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,8 @@ class ModeRuns:
         return ModeRuns(DecodeStats(), [], [], [], {})
 
 
-def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int, int], list[int]] | None) -> dict:
+def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int, int], list[int]] | None,
+               ssd_extra: list[dict] | None = None) -> dict:
     s = runs.stats
     matches = None
     if temp == 0 and reference is not None:
@@ -129,8 +130,9 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "batching": "batch 1" if mode.startswith("hf") else None,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_by_position": s.acceptance_by_position() if mode != "ar" else None,
-        "cache_hit_rate": None,
-        "verifier_idle_fraction": None,
+        "cache_hit_rate": _mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
+        "verifier_idle_fraction": _mean([e["verifier_idle_fraction"] for e in ssd_extra or []
+                                         if e["verifier_idle_fraction"] is not None]),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
         "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and mode != "ar" else None,
         "num_runs": len(tps),
@@ -138,6 +140,10 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _prompts(settings: BenchSettings) -> list[str]:
@@ -160,7 +166,29 @@ class ModeRunner:
             if "hf-assisted" in settings.modes:
                 self.hf["hf-assisted"] = HFGenerate(target.path, draft.path if draft else None)
 
+        self.local_ssd = None
+        if "ssd" in settings.modes:
+            from drafter_service.ssd_drafter import SSDConfig
+            from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
+
+            pair = self.gen.pair
+            self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, SSDConfig(k=settings.k)),
+                                      eos_ids=pair.eos_ids).__enter__()
+        self.ssd_extra: list[dict] = []
+
+    def close(self) -> None:
+        if self.local_ssd is not None:
+            self.local_ssd.__exit__(None, None, None)
+
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        if mode == "ssd":
+            from verifier_service.local_ssd import generate_ssd
+
+            ids = self.gen.encode(prompt)
+            seq, stats, extra = generate_ssd(self.local_ssd, ids, params)
+            self.ssd_extra.append(extra)
+            return GenerationResult("ssd", ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
+                                    list(seq.emit_times))
         if mode not in self.hf:
             return self.gen.generate(prompt, params, mode=mode)
         ids = self.gen.encode(prompt)
@@ -173,6 +201,13 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
     set_threads(settings.target_threads)
     runner = ModeRunner(settings, target, draft)
+    try:
+        return _run_all(settings, runner, target, draft)
+    finally:
+        runner.close()
+
+
+def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None) -> dict:
     gen = runner.gen
     prompts = _prompts(settings)
     for mode in settings.modes:  # warm-up
@@ -180,6 +215,7 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in settings.modes}
+        runner.ssd_extra = []
         reference: dict[tuple[int, int], list[int]] = {}
         for pi, prompt in enumerate(prompts):
             for rep in range(settings.repeats):
@@ -204,7 +240,8 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
                 reference = {(pi, rep): gen.generate(p, SamplingParams(max_new_tokens=settings.max_new_tokens,
                                                                        ignore_eos=settings.ignore_eos), mode="ar").token_ids
                              for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
-        results.extend(_summarise(m, temp, runs[m], reference or None) for m in settings.modes)
+        results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra if m == "ssd" else None)
+                       for m in settings.modes)
     report = {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,

@@ -95,13 +95,6 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
     )
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 def reconcile_tree_slots(slots_of_position, n: int, path: list[int]) -> tuple[list[int], list[int]]:
     """(src, dst) slot lists that move the accepted nodes' K/V to positions ``n, n+1, ...``.
 

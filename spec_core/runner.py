@@ -82,20 +82,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _t(w: torch.Tensor) -> torch.Tensor:
+    """Store a Linear weight transposed (``[in, out]``, contiguous): ``x @ w_t`` is markedly faster than
+    ``F.linear(x, w)`` for the few-row products of decoding on CPU (about 2x for the LM head)."""
+    return w.t().contiguous()
+
+
 class Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused for fewer kernel calls."""
+    """One decoder layer's weights (transposed), with q/k/v and gate/up fused for fewer kernel calls."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
-        self.qkv = torch.cat([w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"], w[f"{a}.v_proj.weight"]]).contiguous()
+        self.qkv = _t(torch.cat([w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"], w[f"{a}.v_proj.weight"]]))
         self.qkv_bias = (
             torch.cat([w[f"{a}.q_proj.bias"], w[f"{a}.k_proj.bias"], w[f"{a}.v_proj.bias"]]) if spec.qkv_bias else None
         )
-        self.o = w[f"{a}.o_proj.weight"]
+        self.o = _t(w[f"{a}.o_proj.weight"])
         self.q_norm = w.get(f"{a}.q_norm.weight")
         self.k_norm = w.get(f"{a}.k_norm.weight")
-        self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]).contiguous()
-        self.down = w[f"{m}.down_proj.weight"]
+        self.gate_up = _t(torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]))
+        self.down = _t(w[f"{m}.down_proj.weight"])
         self.ln_attn = w[f"{prefix}.input_layernorm.weight"]
         self.ln_mlp = w[f"{prefix}.post_attention_layernorm.weight"]
 
@@ -185,7 +191,7 @@ class ModelRunner:
         raw = load_safetensors_dir(path)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in raw.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = _t(self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
         self.layers = [Layer(w, f"model.layers.{i}", self.spec) for i in range(self.spec.num_layers)]
         rotary = LlamaRotaryEmbedding(self.hf_config)
@@ -280,7 +286,7 @@ class ModelRunner:
         h = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x.flatten(0, 1), layer.qkv).view(bsz, t, -1)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(bsz, t, spec.num_heads, spec.head_dim)
             k = k.view(bsz, t, spec.num_kv_heads, spec.head_dim)
@@ -292,11 +298,11 @@ class ModelRunner:
             v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
             keys, values = store(li, k, v)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
-            h = h + F.linear(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
+            h = h + attn.transpose(1, 2).reshape(bsz, t, self.q_size) @ layer.o
             x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ layer.down
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = rms_norm(h, self.norm, spec.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return (h @ self.lm_head).float()

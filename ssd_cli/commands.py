@@ -58,9 +58,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.mode not in MODES:
         raise CliError(f"unknown --mode {args.mode!r}; choose one of {', '.join(MODES)}")
-    if args.mode == "ssd":
-        raise CliError("--mode ssd needs the drafter service, which is not built yet (see the drafter issue); "
-                       "use --mode sd or ar")
     prompt = _read_prompt(args)
     params = _sampling(args)
     if args.k < 0:
@@ -68,9 +65,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     target, draft = _model_configs(args, need_draft=args.mode != "ar")
     gen = Generator(target, draft, k=args.k)
-    result = gen.generate(prompt, params, mode=args.mode)
+    extra: dict = {}
+    if args.mode == "ssd":
+        result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k)
+    else:
+        result = gen.generate(prompt, params, mode=args.mode)
     if args.json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **extra})
     else:
         sys.stdout.write(result.text + "\n")
         tps = result.stats.tokens_per_s
@@ -91,6 +92,25 @@ def cmd_batch(args: argparse.Namespace) -> int:
     sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
                      f"{summary['wall_s']:.1f}s ({summary['tokens_per_s']:.1f} tok/s)\n")
     return 0
+
+
+def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
+    """One request through local two-process SSD (verifier here on core 0, drafter process on core 1)."""
+    from drafter_service.ssd_drafter import SSDConfig
+    from spec_core.api import GenerationResult
+    from verifier_service.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+
+    if k < 1:
+        raise CliError("--mode ssd needs --k >= 1")
+    ids = gen.encode(prompt)
+    gen.check_token_ids(ids)
+    pair = gen.pair
+    with LocalSSD(pair.target, LocalSSDConfig(draft_path, SSDConfig(k=k)), eos_ids=pair.eos_ids) as local:
+        seq, stats, ssd = generate_ssd(local, ids, params)
+    text = pair.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+    result = GenerationResult("ssd", ids, list(seq.output_ids), text, seq.finish_reason, stats, stats.prefill_s,
+                              list(seq.emit_times))
+    return result, ssd
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from spec_core.block_manager import BlockManager
 from spec_core.decoding import DecodeStats
-from spec_core.packing import WorkItem, node_depths, pack, reconcile_tree_slots
+from spec_core.packing import WorkItem, pack, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import logits_to_probs
 from spec_core.sequence import Sequence
@@ -124,7 +124,7 @@ class VerifierEngine:
         if tree is None:
             return WorkItem(slots(0, c), tokens, list(range(c, end)), slots(c, end), len(tokens), [], [])
         n = seq.num_tokens
-        depths = node_depths(tree.parents)
+        depths = tree.depths()
         return WorkItem(
             prefix_slots=slots(0, c),
             token_ids=tokens + tree.token_ids,
@@ -196,11 +196,13 @@ class VerifierEngine:
         self.cache.copy_slots(src, dst)
         seq.num_computed = n + len(path)
         self.blocks.commit(seq.request_id, seq.num_computed)
-        depth = max(node_depths(tree.parents), default=0)
+        depth = max(tree.depths(), default=0)
         stats = self.req_stats[seq.request_id]
+        after_prefill = bool(seq.output_ids)  # the prefill forward's token is not a decode round
         taken = seq.append(emitted)
-        stats.record_round(depth, len(path))
-        self.metrics.stats.record_round(depth, len(path))
+        if after_prefill:
+            stats.record_round(depth, len(path))
+            self.metrics.stats.record_round(depth, len(path))
         stats.num_generated = len(seq.output_ids)
         self.metrics.tokens_emitted += len(taken)
         if self.drafter is not None:

@@ -40,9 +40,10 @@ class LocalSSDConfig:
 class LocalSSD:
     """Context manager owning the drafter process and an SSD-driven :class:`VerifierEngine`."""
 
-    def __init__(self, target: ModelRunner, config: LocalSSDConfig) -> None:
+    def __init__(self, target: ModelRunner, config: LocalSSDConfig, eos_ids: tuple[int, ...] = ()) -> None:
         self.target = target
         self.config = config
+        self.eos_ids = eos_ids
         self._old_affinity: set[int] | None = None
         self._old_threads = torch.get_num_threads()
         self.proc = None
@@ -85,3 +86,38 @@ class LocalSSD:
         if self._old_affinity is not None:
             os.sched_setaffinity(0, self._old_affinity)
         torch.set_num_threads(self._old_threads)
+
+
+def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str = "0"):
+    """Run one request through a started :class:`LocalSSD`; returns (sequence, stats dict)."""
+    import time
+
+    from spec_core.decoding import DecodeStats
+    from spec_core.sequence import Sequence
+
+    engine = local.engine
+    assert engine is not None
+    target = local.target
+    seq = Sequence(request_id, list(prompt_ids), params, eos_ids=local.eos_ids, max_len=target.spec.max_positions)
+    before = _snapshot(local)
+    t0 = time.perf_counter()
+    engine.add(seq)
+    engine.run()
+    stats: DecodeStats = engine.req_stats.pop(seq.request_id)
+    stats.num_generated = len(seq.output_ids)
+    stats.prefill_s = seq.emit_times[0] - t0
+    stats.decode_s = seq.emit_times[-1] - seq.emit_times[0]
+    after = _snapshot(local)
+    delta = {k: after[k] - before[k] for k in after}
+    ssd = {
+        "cache_hit_rate": delta["hits"] / delta["rounds"] if delta["rounds"] else None,
+        "verifier_wait_s": delta["wait_s"],
+        "backup_rounds": delta["backup"],
+        "verifier_idle_fraction": delta["wait_s"] / stats.decode_s if stats.decode_s else None,
+    }
+    return seq, stats, ssd
+
+
+def _snapshot(local: LocalSSD) -> dict[str, float]:
+    s = local.proposer.stats
+    return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup}
