@@ -99,6 +99,8 @@ class DrafterLoop:
             bundle = req.bundle
             own = bundle is not None and bundle.round == ev.round and bundle.base_tokens == ev.verified
             hit = own and ev.key in bundle.entries
+            if own:
+                self.drafter.observe(req, ev.num_accepted, len(ev.verified), ev.bonus)
             self.drafter.commit_outcome(req, ev.accepted, ev.bonus, own_speculation=own)
             req.round = ev.round + 1
             req.k = min(ev.next_k, self.drafter.config.k)
@@ -113,6 +115,8 @@ class DrafterLoop:
                 misses.append(len(reqs) - 1)
             else:  # a just-in-time draft would be late: the verifier will use the backup, so build on it
                 specs.append(Speculation(backup_tokens(req.seq.token_ids, req.k, self.backup), None, "backup"))
+        if outcomes:
+            self.drafter.refresh_estimates()
         if not reqs:
             return
         self._serve_misses(reqs, specs, misses)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
 from drafter_service.fanout import FanoutConfig, fanout_for
 from spec_core.block_manager import BlockManager
 from spec_core.packing import WorkItem, pack
@@ -34,6 +35,9 @@ from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, Speculation
 
 logger = logging.getLogger(__name__)
+
+#: Candidate ranks tracked per position for the miss-exponent estimate.
+MAX_RANK = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,8 @@ class DraftRequest:
     num_computed: int = 0
     round: int = -1
     bundle: BranchBundle | None = None
+    #: Per glue position j: the draft's ranked candidate bonus tokens (drafted token excluded), for r's estimate.
+    candidates: dict[int, list[int]] = field(default_factory=dict)
 
 
 class SSDDrafter:
@@ -75,8 +81,10 @@ class SSDDrafter:
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
         self.requests: dict[str, DraftRequest] = {}
-        self.accept_rate = 0.6
-        self.miss_exponent = 1.0
+        self.acceptance = AcceptanceEstimator()
+        self.miss = MissExponentEstimator(max_rank=MAX_RANK)
+        self.accept_rate = self.acceptance.value
+        self.miss_exponent = self.miss.r
         self.jit_s_per_token = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
@@ -164,13 +172,14 @@ class SSDDrafter:
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S (speculatively)
             roots = []
+            r.candidates = {}
             for j in range(s.k + 1):
-                if fan[j] == 0:
-                    continue
                 row = glue_logits[i, j].clone()
                 if j < s.k:
                     row[s.token_ids[j]] = float("-inf")
-                roots.extend((j, int(t)) for t in torch.topk(row, fan[j]).indices.tolist())
+                ranked = torch.topk(row, max(fan[j], min(MAX_RANK, row.numel() - 1))).indices.tolist()
+                r.candidates[j] = ranked[:MAX_RANK]
+                roots.extend((j, int(t)) for t in ranked[: fan[j]])
             branches.append(roots)
         return self._decode_branches(reqs, specs, branches)
 
@@ -212,6 +221,18 @@ class SSDDrafter:
                        for b, key in enumerate(br)} if not self.config.drop_cache else {}
             bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now))
         return bundles
+
+    def observe(self, req: DraftRequest, num_accepted: int, k: int, bonus: int) -> None:
+        """Feed the estimators with a real outcome of this drafter's own speculation."""
+        if k > 0:
+            self.acceptance.update(num_accepted, k)
+        ranked = req.candidates.get(num_accepted)
+        if ranked is not None:
+            self.miss.update(ranked.index(bonus) + 1 if bonus in ranked else None)
+
+    def refresh_estimates(self) -> None:
+        self.accept_rate = self.acceptance.value
+        self.miss_exponent = self.miss.r
 
     def commit_outcome(self, req: DraftRequest, accepted: list[int], bonus: int, own_speculation: bool) -> None:
         """Append the real outcome; keep the trunk K/V (prefix + accepted) and drop everything past it.
