@@ -83,10 +83,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from spec_core.models import load_pair, set_threads
     from verifier_service.batch import BatchSettings, run_batch
 
+    target, draft = _model_configs(args, need_draft=args.mode in ("sd", "ssd"))
     settings = BatchSettings(mode=args.mode, concurrency=args.concurrency, k=args.k, branching=args.branching,
-                             max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks)
+                             max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks,
+                             draft_path=draft.path if draft else None)
     set_threads(args.threads)
-    target, draft = _model_configs(args, need_draft=args.mode == "sd")
     summary = run_batch(load_pair(target, draft), Path(args.input), Path(args.output), settings)
     logger.info("batch: %s", summary)
     sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt = sub.add_parser("batch", help="offline generation over a JSONL file with continuous batching")
     bt.add_argument("--input", required=True, help='JSONL: {"prompt" | "prompt_token_ids", "id"?, ...}')
     bt.add_argument("--output", required=True, help="JSONL results, in input order")
-    bt.add_argument("--mode", default="sd", help="ar | sd (default sd)")
+    bt.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
     bt.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     bt.add_argument("--k", type=int, default=5)
     bt.add_argument("--branching", type=int, default=1, help="tree branches at the root (1 = chain)")

@@ -38,10 +38,14 @@ class BatchSettings:
     max_new_tokens: int = 128
     num_blocks: int = 2048
     block_size: int = 16
+    #: The draft's folder: needed by ``ssd`` mode, whose drafter runs in its own process.
+    draft_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("ar", "sd"):
-            raise ValueError(f"batch mode {self.mode!r} is not available; choose ar or sd")
+        if self.mode not in ("ar", "sd", "ssd"):
+            raise ValueError(f"batch mode {self.mode!r} is not available; choose ar, sd or ssd")
+        if self.mode == "ssd" and (self.draft_path is None or self.k < 1):
+            raise ValueError("batch mode ssd needs a draft model and --k >= 1")
         if self.concurrency <= 0:
             raise ValueError(f"--concurrency must be > 0, got {self.concurrency}")
 
@@ -137,7 +141,22 @@ def run_batch(pair: LoadedPair, input_path: Path, output_path: Path, settings: B
     if not rows:
         raise ValueError(f"{input_path} has no requests")
     seqs = make_sequences(pair, rows)
-    engine = build_engine(pair, settings)
+    if settings.mode == "ssd":
+        from drafter_service.ssd_drafter import SSDConfig
+        from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
+
+        cfg = LocalSSDConfig(settings.draft_path, SSDConfig(k=settings.k, num_blocks=settings.num_blocks,
+                                                            block_size=settings.block_size),
+                             max_num_seqs=settings.concurrency, num_blocks=settings.num_blocks,
+                             block_size=settings.block_size)
+        with LocalSSD(pair.target, cfg, eos_ids=pair.eos_ids) as local:
+            summary = _run_engine(local.engine, seqs, output_path)
+            summary["cache_hit_rate"] = local.proposer.stats.cache_hit_rate
+            return summary
+    return _run_engine(build_engine(pair, settings), seqs, output_path)
+
+
+def _run_engine(engine: VerifierEngine, seqs: list[Sequence], output_path: Path) -> dict:
     for seq in seqs:
         engine.add(seq)
     t0 = time.perf_counter()
