@@ -143,8 +143,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
         f"acceptance {sd.stats.acceptance_rate:.2f})\n"
     )
-    out.write(f"speedup SD/AR: {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
-              f"greedy outputs identical: {ar.token_ids == sd.token_ids}\n")
+    ssd, extra = _generate_ssd(gen, pair["draft"], prompt, params, args.ssd_k)
+    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  (k={args.ssd_k}, local two-process, cache hit rate "
+              f"{extra['cache_hit_rate'] or 0:.2f})\n")
+    out.write(f"speedup over AR: SD {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, "
+              f"SSD {ssd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
+              f"greedy outputs identical: {ar.token_ids == sd.token_ids == ssd.token_ids}\n")
     return 0
 
 

@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--kv-blocks", type=int, default=2048, help="KV cache budget in blocks of 16 tokens")
     _add_model_flags(bt)
 
-    d = sub.add_parser("demo", help="complete the shipped prompt with AR and SD, print the speedup")
+    d = sub.add_parser("demo", help="complete the shipped prompt with AR, SD and SSD; print the speedups")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--k", type=int, default=5)
+    d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
+    d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
 
     b = sub.add_parser("bench", help="benchmark modes side by side")

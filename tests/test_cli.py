@@ -128,3 +128,10 @@ def test_batch_bad_input(tmp_path, line, needle):
     src = tmp_path / "in.jsonl"
     src.write_text(line + "\n")
     assert_one_line_error(ssd("batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl")), needle)
+
+
+def test_demo_runs_every_mode():
+    proc = ssd("demo", "--max-new-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert "greedy outputs identical: True" in proc.stdout
+    assert all(tag in proc.stdout for tag in ("AR :", "SD :", "SSD:"))
