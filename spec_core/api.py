@@ -80,7 +80,8 @@ class Generator:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "ssd":
-            raise ValueError("mode 'ssd' needs the drafter service, which is not built yet (see the drafter issue)")
+            raise ValueError("mode 'ssd' runs the drafter in its own process: use verifier_service.local_ssd "
+                             "(what `ssd generate --mode ssd` does)")
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_token_ids(ids)
         target = self.pair.target
