@@ -21,7 +21,7 @@ import torch
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.packing import WorkItem, pack, reconcile_tree_slots
 from spec_core.runner import ModelRunner
-from spec_core.sampling import logits_to_probs, sample_from_probs
+from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
 from spec_core.tree import TokenTree
 
@@ -42,11 +42,6 @@ class DraftConfig:
     @property
     def max_nodes(self) -> int:
         return self.k * self.branching
-
-
-def _params(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.tensor([s.params.temperature for s in seqs]), torch.tensor([s.params.top_k for s in seqs]),
-            torch.tensor([s.params.top_p for s in seqs]))
 
 
 class BatchDrafter:
@@ -96,7 +91,7 @@ class BatchDrafter:
         Greedy requests need no distributions (the verifier checks argmax only), so none are computed for them.
         """
         greedy = [s.params.greedy for s in seqs]
-        probs = None if all(greedy) else logits_to_probs(logits, *_params(seqs))
+        probs = None if all(greedy) else request_probs(logits, [s.params for s in seqs])
         tokens: list[list[int]] = []
         for i, seq in enumerate(seqs):
             if greedy[i]:

@@ -30,7 +30,7 @@ from drafter_service.fanout import FanoutConfig, fanout_for
 from spec_core.block_manager import BlockManager
 from spec_core.packing import WorkItem, pack
 from spec_core.runner import ModelRunner
-from spec_core.sampling import logits_to_probs, saguaro_downweight, sample_from_probs
+from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, Speculation
 
@@ -104,9 +104,7 @@ class SSDDrafter:
         seq = req.seq
         if seq.params.greedy:
             return int(logits.argmax()), None
-        p = seq.params
-        q = logits_to_probs(logits[None, None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
-                            torch.tensor([p.top_p]))[0, 0]
+        q = request_probs(logits[None, None], [seq.params])[0, 0]
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
         q_prime = saguaro_downweight(q, top_f, self.config.saguaro_c)
         tok = int(sample_from_probs(q_prime[None], seq.uniforms(1))[0])

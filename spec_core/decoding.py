@@ -16,7 +16,7 @@ import torch
 
 from spec_core.rejection import verify
 from spec_core.runner import KVCache, ModelRunner
-from spec_core.sampling import logits_to_probs, sample_from_probs
+from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
 
 
@@ -73,15 +73,9 @@ class DecodeStats:
             self.drafted_by_position[j] += d
 
 
-def _params_tensors(seq: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = seq.params
-    return torch.tensor([p.temperature]), torch.tensor([p.top_k]), torch.tensor([p.top_p])
-
-
 def probs_for(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     """The request's sampling distribution for ``logits [1, T, V]``."""
-    temp, top_k, top_p = _params_tensors(seq)
-    return logits_to_probs(logits, temp, top_k, top_p)
+    return request_probs(logits, [seq.params])
 
 
 def sample_next(seq: Sequence, logits: torch.Tensor) -> int:

@@ -7,7 +7,11 @@ the same draw can be replayed anywhere. A temperature of 0 means greedy: such ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from spec_core.config import SamplingParams
 
 #: Probabilities below this are treated as zero when normalising a residual.
 _EPS = 1e-12
@@ -46,6 +50,16 @@ def logits_to_probs(
         onehot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, onehot, probs)
     return probs.reshape(shape)
+
+
+def request_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """:func:`logits_to_probs` with row b's temperature, top-k and top-p taken from ``params[b]``."""
+    return logits_to_probs(
+        logits,
+        torch.tensor([p.temperature for p in params]),
+        torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]),
+    )
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from spec_core.block_manager import BlockManager
 from spec_core.decoding import DecodeStats
 from spec_core.packing import WorkItem, pack, reconcile_tree_slots
 from spec_core.runner import ModelRunner
-from spec_core.sampling import logits_to_probs
+from spec_core.sampling import request_probs
 from spec_core.sequence import Sequence
 from spec_core.tree import (
     TokenTree,
@@ -139,9 +139,7 @@ class VerifierEngine:
         """``logits [N+1, V]`` → (emitted tokens: accepted path + one, accepted node indices)."""
         if seq.params.greedy:
             return greedy_verify_tree_path(logits, tree)
-        p = seq.params
-        probs = logits_to_probs(logits[None], torch.tensor([p.temperature]), torch.tensor([p.top_k]),
-                                torch.tensor([p.top_p]))[0]
+        probs = request_probs(logits[None], [seq.params])[0]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
         return stochastic_verify_tree_path(probs, tree, seq.uniforms(tree.num_nodes + 1))

@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 class SSDStats:
     rounds: int = 0
     hits: int = 0
-    late: int = 0
     jit: int = 0
     backup: int = 0
     wait_s: float = 0.0
