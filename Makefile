@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install demo test lint bench-quick slow clean
+.PHONY: install demo test lint bench-quick slow clean proto
 
 $(BIN)/ssd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ slow: install
 
 lint: install
 	$(BIN)/ruff check .
+
+proto: install
+	$(BIN)/python protos/gen.py
 
 bench-quick: install
 	$(BIN)/ssd bench --quick --out bench-quick.json

@@ -1,1 +1,1 @@
-"""Ray placement of the drafter and the verifier (arrives with the distributed-service issue)."""
+"""Ray placement of the drafter and the verifier: actors in one placement group, one bundle (device) each."""

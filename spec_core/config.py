@@ -55,6 +55,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: Also return the target's log-probability of each generated token (raw logits, before temperature/top-p).
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:

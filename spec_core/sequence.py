@@ -35,6 +35,8 @@ class Sequence:
     num_computed: int = 0
     #: Text cut at a stop string (None while no stop string matched).
     stopped_text: str | None = None
+    #: The target's log-probability of each output token (filled only when ``params.logprobs``).
+    output_logprobs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -67,14 +69,16 @@ class Sequence:
             ids.update(self.eos_ids)
         return ids
 
-    def append(self, tokens: list[int]) -> list[int]:
-        """Append tokens until a stop rule fires; returns the tokens actually appended."""
+    def append(self, tokens: list[int], logprobs: list[float] | None = None) -> list[int]:
+        """Append tokens (and their logprobs) until a stop rule fires; returns the tokens actually appended."""
         now = time.perf_counter()
         stops = self.stop_ids()
         taken: list[int] = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if self.finished:
                 break
+            if logprobs is not None:
+                self.output_logprobs.append(logprobs[i])
             self.output_ids.append(tok)
             self.emit_times.append(now)
             taken.append(tok)

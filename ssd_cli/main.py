@@ -104,13 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-steps", type=int)
     t.add_argument("--max-minutes", type=float)
     t.add_argument("--threads", type=int, default=None)
+
+    from ssd_cli import service_commands
+
+    service_commands.add_parsers(sub)
     return parser
 
 
 def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
-    from ssd_cli import commands
+    from ssd_cli import commands, service_commands
 
     return {
+        "serve": service_commands.cmd_serve,
+        "client": service_commands.cmd_client,
         "generate": commands.cmd_generate,
         "models": commands.cmd_models,
         "batch": commands.cmd_batch,

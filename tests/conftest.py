@@ -65,3 +65,32 @@ def default_pair() -> dict[str, str]:
     for p in paths.values():
         assert Path(p, "config.json").is_file(), f"shipped model missing: {p}"
     return paths
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray for the whole test session: 2 CPUs and 2 logical GPUs (they work on CPU machines)."""
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, address="local")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(default_pair):
+    """``reference(prompt, n)``: the target's own greedy tokens (plain AR with our engine), memoised."""
+    from spec_core.api import Generator
+    from spec_core.config import ModelConfig, SamplingParams
+
+    gen = Generator(ModelConfig(default_pair["target"]), None)
+    cache: dict = {}
+
+    def reference(prompt, n: int) -> list[int]:
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), n)
+        if key not in cache:
+            res = gen.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar")
+            cache[key] = res.token_ids
+        return cache[key]
+
+    return reference

@@ -197,7 +197,7 @@ class VerifierEngine:
         depth = max(tree.depths(), default=0)
         stats = self.req_stats[seq.request_id]
         after_prefill = bool(seq.output_ids)  # the prefill forward's token is not a decode round
-        taken = seq.append(emitted)
+        taken = seq.append(emitted, _emitted_logprobs(logits, path, emitted) if seq.params.logprobs else None)
         if after_prefill:
             stats.record_round(depth, len(path))
             self.metrics.stats.record_round(depth, len(path))
@@ -212,3 +212,11 @@ class VerifierEngine:
             for seq in self.step():
                 if on_finish is not None:
                     on_finish(seq)
+
+
+def _emitted_logprobs(logits: torch.Tensor, path: list[int], emitted: list[int]) -> list[float]:
+    """The target's log-probability of each emitted token: token j is predicted by the row of its parent
+    (row 0 is the root, row i + 1 is tree node i)."""
+    rows = [0] + [i + 1 for i in path]
+    logp = torch.log_softmax(logits[rows[: len(emitted)]].float(), dim=-1)
+    return logp[torch.arange(len(emitted)), torch.tensor(emitted)].tolist()

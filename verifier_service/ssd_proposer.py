@@ -119,7 +119,7 @@ class SSDProposer:
                 waiting.append(seq)
             specs[seq.request_id] = spec
             st.used_hit = hit
-        if waiting:
+        if waiting and getattr(self.link, "alive", True):  # a dead drafter link: straight to the backup
             deadline = time.perf_counter() + self.wait_fraction * self.verify_s_ema
             t0 = time.perf_counter()
             while waiting and time.perf_counter() < deadline:

@@ -1,0 +1,88 @@
+"""Ray actors hosting the drafter and verifier gRPC servers.
+
+Each actor runs in its own worker process on its own bundle of a placement group: one GPU each when GPUs exist
+(Ray sets ``CUDA_VISIBLE_DEVICES``, so the model goes to ``cuda:0`` of that process), otherwise one CPU each,
+pinned to its own core when ``core`` is given. Torch threads follow the actor's CPU share. Internal servers bind
+the node IP Ray reports (so the pair may span nodes); the verifier's public server binds the configured host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import ray
+import torch
+
+from drafter_service.server import DrafterServer, DrafterServerConfig
+from verifier_service.server import VerifierServer, VerifierServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_process(core: int | None) -> str:
+    """Pin (CPU only), set torch threads to this actor's CPU share, and pick the device."""
+    resources = ray.get_runtime_context().get_assigned_resources()
+    gpus = ray.get_gpu_ids()
+    if core is not None and not gpus and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[core % len(cores)]})
+    torch.set_num_threads(max(1, int(round(resources.get("CPU", 1.0)))))
+    return "cuda" if gpus and torch.cuda.is_available() else "cpu"
+
+
+def _info() -> dict:
+    ctx = ray.get_runtime_context()
+    pg = ctx.get_placement_group_id()
+    return {
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "placement_group_id": pg,
+        "assigned_resources": ctx.get_assigned_resources(),
+        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+@ray.remote
+class DrafterActor:
+    def __init__(self, config: DrafterServerConfig, core: int | None = None) -> None:
+        device = _setup_process(core)
+        host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
+        self.server = DrafterServer(replace(config, host=host, device=device if config.device == "auto"
+                                            else config.device))
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def info(self) -> dict:
+        return {**_info(), "address": self.server.address, "device": str(self.server.runner.device),
+                "sessions": self.server.servicer.sessions_started}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote
+class VerifierActor:
+    def __init__(self, config: VerifierServerConfig, core: int | None = None) -> None:
+        device = _setup_process(core)
+        self.server = VerifierServer(replace(config, device=device if config.device == "auto" else config.device))
+
+    def start(self, drafter_address: str | None) -> str:
+        return self.server.start(drafter_address)
+
+    def info(self) -> dict:
+        return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device)}
+
+    def stats(self) -> dict:
+        return self.server.stats()
+
+    def drain(self, grace_s: float | None = None) -> bool:
+        return self.server.drain(grace_s)
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,165 @@
+"""Place a drafter–verifier pair with Ray and start their gRPC servers (what ``ssd serve`` and the Serve app use).
+
+Order: create one placement group with one bundle per actor ({"GPU": 1, "CPU": 1} each when the cluster has at
+least two GPUs, else {"CPU": 1} each) and wait for it with a timeout (an infeasible group, e.g. STRICT_SPREAD on
+one node, stays PENDING forever); start the drafter; give its address to the verifier, which connects and
+handshakes; health-check both servers; only then report the public address.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.actors import DrafterActor, VerifierActor
+from drafter_service.fanout import FanoutConfig
+from drafter_service.server import DrafterServerConfig
+from drafter_service.ssd_drafter import SSDConfig
+from verifier_service.server import VerifierServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PairConfig:
+    """A drafter–verifier deployment."""
+
+    target_path: str
+    draft_path: str
+    k: int = 2
+    budget: int = FanoutConfig().budget
+    saguaro_c: float = 1.0
+    dtype: str = "float32"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_num_seqs: int = 16
+    max_queue: int = 64
+    use_gpu: bool | None = None  # None: GPUs if the cluster has at least two
+    strategy: str = "PACK"
+    pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
+    placement_timeout_s: float = 60.0
+    start_timeout_s: float = 300.0
+    extra_verifier: dict = field(default_factory=dict)
+
+    def verifier_config(self) -> VerifierServerConfig:
+        return VerifierServerConfig(self.target_path, mode="ssd", k=self.k, budget=self.budget,
+                                    saguaro_c=self.saguaro_c, dtype=self.dtype, device="auto", host=self.host,
+                                    port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
+                                    **self.extra_verifier)
+
+    def drafter_config(self) -> DrafterServerConfig:
+        ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)
+        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device="auto", host="node-ip")
+
+
+@dataclass(slots=True)
+class Deployment:
+    pg: object
+    drafter: object
+    verifier: object
+    drafter_address: str
+    address: str
+    use_gpu: bool
+
+    def info(self, timeout_s: float = 30.0) -> dict:
+        d, v = ray.get([self.drafter.info.remote(), self.verifier.info.remote()], timeout=timeout_s)
+        return {"address": self.address, "drafter": d, "verifier": v, "use_gpu": self.use_gpu}
+
+    def shutdown(self, grace_s: float = 30.0, remove_group: bool = True) -> None:
+        """Drain the verifier (in-flight streams finish), then stop both actors and free the placement group
+        (unless it belongs to someone else, e.g. a Serve replica)."""
+        try:
+            ray.get(self.verifier.drain.remote(grace_s), timeout=grace_s + 30)
+        except Exception:  # noqa: BLE001 - best effort; the actors are killed next
+            logger.exception("drain failed")
+        release(self.pg if remove_group else None, (self.verifier, self.drafter))
+
+
+def release(pg, actors, timeout_s: float = 15.0) -> None:
+    """Kill the actors and remove their placement group, never blocking shutdown for more than ``timeout_s``
+    (removal blocks when the local raylet is already gone, e.g. after a terminal's Ctrl-C reached it)."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    if pg is None:
+        return
+    t = threading.Thread(target=remove_placement_group, args=(pg,), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("placement group removal did not finish within %.0f s", timeout_s)
+
+
+def bundles_for(use_gpu: bool) -> list[dict[str, float]]:
+    one = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+    return [dict(one), dict(one)]
+
+
+def check_health(address: str, service: str, timeout_s: float = 10.0) -> None:
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                    timeout=timeout_s)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        raise RuntimeError(f"{service} at {address} is not SERVING")
+
+
+def launch(cfg: PairConfig, placement_group=None) -> Deployment:
+    """Start the pair. With ``placement_group`` (a Serve replica's own group: bundle 0 is the replica), the
+    drafter and verifier take bundles 1 and 2 of it; otherwise a new two-bundle group is created and awaited."""
+    own = placement_group is None
+    if own:
+        use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 2
+        bundles = bundles_for(use_gpu)
+        pg = _new_group(bundles, cfg)
+        first = 0
+    else:
+        pg, first = placement_group, 1
+        bundles = pg.bundle_specs[1:3]
+        use_gpu = bundles[0].get("GPU", 0) >= 1
+    cpus = [b.get("CPU", 0.0) for b in bundles]
+    pin = cfg.pin_cores and not use_gpu
+    drafter = DrafterActor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
+        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0,
+    ).remote(cfg.drafter_config(), 1 if pin else None)
+    verifier = VerifierActor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
+        num_cpus=cpus[1], num_gpus=1 if use_gpu else 0,
+    ).remote(cfg.verifier_config(), 0 if pin else None)
+    if not own:
+        pg = None  # not ours to remove
+    try:
+        d_addr = ray.get(drafter.start.remote(), timeout=cfg.start_timeout_s)
+        check_health(d_addr, "ssd.v1.Drafter")
+        address = ray.get(verifier.start.remote(d_addr), timeout=cfg.start_timeout_s)
+        check_health(address, "ssd.v1.Generation")
+    except BaseException:
+        release(pg, (verifier, drafter))
+        raise
+    logger.info("drafter %s, verifier %s", d_addr, address)
+    return Deployment(pg, drafter, verifier, d_addr, address, use_gpu)
+
+
+def _new_group(bundles: list[dict[str, float]], cfg: PairConfig):
+    pg = placement_group(bundles, strategy=cfg.strategy)
+    t0 = time.monotonic()
+    if not pg.wait(timeout_seconds=cfg.placement_timeout_s):
+        remove_placement_group(pg)
+        raise PlacementError(f"placement group {bundles} ({cfg.strategy}) not ready after "
+                             f"{cfg.placement_timeout_s:.0f} s; free resources: {ray.available_resources()}")
+    logger.info("placement group ready in %.2f s: %s", time.monotonic() - t0, bundles)
+    return pg

@@ -1,0 +1,191 @@
+"""The drafter's gRPC server (``ssd.v1.Drafter``): one verifier session at a time over a bidirectional stream.
+
+Protocol: the verifier opens ``Connect`` and sends ``hello``; the drafter checks the pairing (protocol version,
+vocabulary hash, K, budget, sampling mode) and answers ``ack`` or fails the call with FAILED_PRECONDITION. Then
+the verifier streams prefill/outcome/free events and the drafter streams branch bundles and just-in-time
+speculations. The drafting itself is :class:`drafter_service.process.DrafterLoop`, run on its own thread over a
+:class:`QueueLink`; a new session (e.g. a restarted verifier) replaces the old one with fresh drafter state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from drafter_service.process import DrafterLoop
+from drafter_service.ssd_drafter import SSDConfig, SSDDrafter
+from protos import codec
+from protos.serving import ServerThread, add_health_and_reflection, set_health
+from protos.ssd.v1 import ssd_pb2 as pb
+from protos.ssd.v1 import ssd_pb2_grpc
+from spec_core.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+SERVICE = "ssd.v1.Drafter"
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterServerConfig:
+    draft_path: str
+    ssd: SSDConfig = field(default_factory=SSDConfig)
+    dtype: str = "float32"
+    device: str = "cpu"
+    backup: str = "ngram"
+    wait_fraction: float = 0.5
+    host: str = "127.0.0.1"
+    port: int = 0
+    hello_timeout_s: float = 30.0
+
+
+class QueueLink:
+    """The drafter's end of one Connect stream (the link interface of :class:`DrafterLoop`).
+
+    ``recv``/``poll`` read events decoded by the stream reader; ``send`` encodes on the drafting thread and hands
+    the message to the stream writer on the event loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue) -> None:
+        self.loop = loop
+        self.outbox = outbox
+        self.inbox: queue.Queue = queue.Queue()
+        self._peek: object | None = None
+        self.bytes_sent = 0
+
+    def send(self, msg: object) -> None:
+        m = codec.message_to_pb(msg)
+        self.bytes_sent += m.ByteSize()
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, m)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        if self._peek is None:
+            try:
+                self._peek = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def recv(self) -> object:
+        if self._peek is not None:
+            msg, self._peek = self._peek, None
+            return msg
+        return self.inbox.get()
+
+
+class _Session:
+    def __init__(self, drafter: SSDDrafter, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.link = QueueLink(loop, self.outbox)
+        self.loop = DrafterLoop(drafter, self.link, backup=config.backup, wait_fraction=config.wait_fraction)
+        self.thread = threading.Thread(target=self._run, args=(loop,), name="drafter-loop", daemon=True)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.loop.run()
+        except Exception:  # noqa: BLE001 - the session ends; the verifier falls back to its backup
+            logger.exception("drafter loop failed")
+        finally:
+            loop.call_soon_threadsafe(self.outbox.put_nowait, None)
+
+    def stop(self) -> None:
+        self.link.inbox.put("stop")
+
+
+class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
+    def __init__(self, runner: ModelRunner, config: DrafterServerConfig, vocab_hash: str) -> None:
+        self.runner = runner
+        self.config = config
+        ssd = config.ssd
+        self.expected = codec.make_hello(vocab_hash, runner.vocab_size, ssd.k, ssd.fanout.budget,
+                                         codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind))
+        self.session: _Session | None = None
+        self.sessions_started = 0
+
+    async def _replace_session(self) -> _Session:
+        old = self.session
+        if old is not None:
+            old.stop()
+            await asyncio.to_thread(old.thread.join, 10.0)
+        session = _Session(SSDDrafter(self.runner, self.config.ssd), self.config, asyncio.get_running_loop())
+        self.session = session
+        self.sessions_started += 1
+        session.thread.start()
+        return session
+
+    async def Connect(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), self.config.hello_timeout_s)
+        except (StopAsyncIteration, TimeoutError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Connect must start with a hello event")
+        if first.WhichOneof("event") != "hello":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first event on Connect must be hello")
+        problems = codec.hello_mismatch(first.hello, self.expected)
+        if problems:
+            logger.warning("refused a verifier: %s", "; ".join(problems))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "drafter/verifier mismatch: " + "; ".join(problems))
+        session = await self._replace_session()
+        yield pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
+                                                model=self.config.draft_path, device=str(self.runner.device)))
+        reader = asyncio.create_task(self._read(it, session))
+        try:
+            while True:
+                msg = await session.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            session.stop()
+
+    async def _read(self, it, session: _Session) -> None:
+        try:
+            async for event in it:
+                try:
+                    session.link.inbox.put(codec.event_from_pb(event))
+                except ValueError as exc:
+                    logger.warning("dropping a malformed drafter event: %s", exc)
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            session.stop()
+
+
+class DrafterServer:
+    """Loads the draft model and serves ``ssd.v1.Drafter`` (plus health and reflection) on its own thread."""
+
+    def __init__(self, config: DrafterServerConfig) -> None:
+        from spec_core.config import parse_dtype
+        from spec_core.models import check_model_dir, load_tokenizer, vocab_hash
+
+        self.config = config
+        path = check_model_dir(config.draft_path)
+        self.runner = ModelRunner(path, dtype=parse_dtype(config.dtype), device=config.device)
+        self.vocab_hash = vocab_hash(load_tokenizer(path))
+        self.servicer = DrafterServicer(self.runner, config, self.vocab_hash)
+        self.thread: ServerThread | None = None
+        self.address: str | None = None
+
+    def start(self) -> str:
+        async def setup(server: grpc.aio.Server) -> None:
+            ssd_pb2_grpc.add_DrafterServicer_to_server(self.servicer, server)
+            hs = add_health_and_reflection(server, [SERVICE])
+            await set_health(hs, [SERVICE], serving=True)
+
+        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="drafter-grpc")
+        port = self.thread.start()
+        self.address = f"{self.config.host}:{port}"
+        logger.info("drafter serving %s on %s", SERVICE, self.address)
+        return self.address
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.servicer.session is not None:
+            self.servicer.session.stop()
+        if self.thread is not None:
+            self.thread.stop(grace_s)

@@ -1,0 +1,204 @@
+"""The one codec between ``ssd.v1`` protobuf messages and our typed dataclasses (:mod:`spec_core.speculation`).
+
+Blob layouts are documented in ``ssd.proto``: token ids are packed little-endian int32, draft probability rows
+little-endian float32 ``[rows, vocab]``. Every decode validates sizes and raises :class:`ValueError` on a
+malformed message, so a server can answer INVALID_ARGUMENT instead of crashing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from protos.ssd.v1 import ssd_pb2 as pb
+from spec_core.config import SamplingParams
+from spec_core.speculation import BranchBundle, FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_NEW_TOKENS = 128
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+# ---- blobs ----------------------------------------------------------------------------------------------------
+def pack_ids(ids: list[int]) -> bytes:
+    return np.asarray(ids, dtype=_I32).tobytes()
+
+
+def unpack_ids(blob: bytes) -> list[int]:
+    if len(blob) % 4:
+        raise ValueError(f"token-id blob of {len(blob)} bytes is not a whole number of int32")
+    return np.frombuffer(blob, dtype=_I32).tolist()
+
+
+def pack_probs(probs: torch.Tensor | None) -> bytes:
+    if probs is None:
+        return b""
+    return probs.detach().to("cpu", torch.float32).contiguous().numpy().astype(_F32, copy=False).tobytes()
+
+
+def unpack_probs(blob: bytes, rows: int, vocab_size: int) -> torch.Tensor | None:
+    if not blob:
+        return None
+    if len(blob) != rows * vocab_size * 4:
+        raise ValueError(f"draft_probs blob has {len(blob)} bytes; expected {rows}x{vocab_size} float32")
+    return torch.from_numpy(np.frombuffer(blob, dtype=_F32).reshape(rows, vocab_size).copy())
+
+
+# ---- public API -----------------------------------------------------------------------------------------------
+def request_to_params(req: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams]:
+    """(prompt text or token ids, validated params). Raises ValueError with a user-facing message."""
+    has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise ValueError("give either prompt or prompt_token_ids, not both")
+    if not has_text and not has_ids:
+        raise ValueError("prompt is empty")
+    for name in ("temperature", "top_p"):
+        if req.HasField(name) and not math.isfinite(getattr(req, name)):
+            raise ValueError(f"{name} must be a finite number, got {getattr(req, name)}")
+    params = SamplingParams(
+        temperature=float(req.temperature) if req.HasField("temperature") else 0.0,
+        top_p=float(req.top_p) if req.HasField("top_p") else 1.0,
+        top_k=int(req.top_k),
+        seed=int(req.seed) if req.HasField("seed") else None,
+        max_new_tokens=int(req.max_new_tokens) if req.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids=tuple(req.stop_token_ids),
+        stop=tuple(s for s in req.stop),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+    )
+    if any(not s for s in params.stop):
+        raise ValueError("stop strings must be non-empty")
+    return (req.prompt if has_text else list(req.prompt_token_ids)), params
+
+
+def params_to_request(prompt: str | list[int], params: SamplingParams, request_id: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k, ignore_eos=params.ignore_eos, stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids), logprobs=params.logprobs, request_id=request_id,
+    )
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(prompt)
+    if params.seed is not None:
+        req.seed = params.seed
+    return req
+
+
+def result_to_json(res: pb.GenerateResult) -> dict:
+    """The JSON object ``ssd generate --json`` prints, from a service result."""
+    s = res.stats
+    out = {
+        "mode": res.mode,
+        "text": res.text,
+        "token_ids": list(res.token_ids),
+        "num_generated": len(res.token_ids),
+        "num_prompt_tokens": res.num_prompt_tokens,
+        "finish_reason": res.finish_reason or None,
+        "tokens_per_s": s.tokens_per_s,
+        "ttft_s": s.ttft_s,
+        "decode_s": s.decode_s,
+        "request_id": res.request_id,
+    }
+    if res.mode != "ar":
+        out.update(num_rounds=s.num_rounds, mean_tokens_per_round=s.mean_tokens_per_round or None,
+                   acceptance_rate=s.acceptance_rate, acceptance_by_position=list(s.acceptance_by_position))
+    if res.logprobs:
+        out["logprobs"] = list(res.logprobs)
+    return out
+
+
+# ---- drafter protocol -----------------------------------------------------------------------------------------
+def sampling_spec(params: SamplingParams) -> pb.SamplingSpec:
+    spec = pb.SamplingSpec(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.seed is not None:
+        spec.seed = params.seed
+    return spec
+
+
+def event_to_pb(ev: object) -> pb.DrafterEvent:
+    if isinstance(ev, PrefillEvent):
+        return pb.DrafterEvent(prefill=pb.Prefill(request_id=ev.request_id, token_ids=pack_ids(ev.token_ids),
+                                                  params=sampling_spec(ev.params), k=ev.k))
+    if isinstance(ev, OutcomeEvent):
+        return pb.DrafterEvent(outcome=pb.Outcome(
+            request_id=ev.request_id, round=ev.round, verified_ids=pack_ids(ev.verified),
+            num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s))
+    if isinstance(ev, FreeEvent):
+        return pb.DrafterEvent(free=pb.Free(request_id=ev.request_id))
+    raise TypeError(f"not a drafter event: {type(ev).__name__}")
+
+
+def event_from_pb(msg: pb.DrafterEvent) -> object:
+    kind = msg.WhichOneof("event")
+    if kind == "prefill":
+        p = msg.prefill
+        s = p.params
+        params = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                                seed=s.seed if s.HasField("seed") else None)
+        return PrefillEvent(p.request_id, unpack_ids(p.token_ids), params, p.k)
+    if kind == "outcome":
+        o = msg.outcome
+        return OutcomeEvent(o.request_id, o.round, unpack_ids(o.verified_ids), o.num_accepted, o.bonus, o.next_k,
+                            verify_s=o.verify_s)
+    if kind == "free":
+        return FreeEvent(msg.free.request_id)
+    raise ValueError(f"unexpected drafter event {kind!r}")
+
+
+def speculation_to_pb(spec: Speculation) -> pb.Speculation:
+    return pb.Speculation(token_ids=pack_ids(spec.token_ids), draft_probs=pack_probs(spec.draft_probs),
+                          source=spec.source)
+
+
+def speculation_from_pb(msg: pb.Speculation, vocab_size: int) -> Speculation:
+    ids = unpack_ids(msg.token_ids)
+    return Speculation(ids, unpack_probs(msg.draft_probs, len(ids), vocab_size), msg.source or "cache")
+
+
+def message_to_pb(msg: object) -> pb.DrafterMessage:
+    if isinstance(msg, BranchBundle):
+        branches = [pb.Branch(num_accepted=k, bonus=b, speculation=speculation_to_pb(s))
+                    for (k, b), s in msg.entries.items()]
+        return pb.DrafterMessage(bundle=pb.Bundle(request_id=msg.request_id, round=msg.round,
+                                                  base_ids=pack_ids(msg.base_tokens), branches=branches))
+    if isinstance(msg, SpeculationMsg):
+        return pb.DrafterMessage(jit=pb.JitSpeculation(request_id=msg.request_id, round=msg.round,
+                                                       speculation=speculation_to_pb(msg.speculation)))
+    raise TypeError(f"not a drafter message: {type(msg).__name__}")
+
+
+def message_from_pb(msg: pb.DrafterMessage, vocab_size: int) -> object:
+    kind = msg.WhichOneof("msg")
+    if kind == "bundle":
+        b = msg.bundle
+        entries = {(br.num_accepted, br.bonus): speculation_from_pb(br.speculation, vocab_size) for br in b.branches}
+        return BranchBundle(b.request_id, b.round, unpack_ids(b.base_ids), entries)
+    if kind == "jit":
+        j = msg.jit
+        return SpeculationMsg(j.request_id, j.round, speculation_from_pb(j.speculation, vocab_size))
+    raise ValueError(f"unexpected drafter message {kind!r}")
+
+
+# ---- handshake ------------------------------------------------------------------------------------------------
+def sampling_mode(saguaro_c: float, fanout_kind: str) -> str:
+    return f"saguaro:C={saguaro_c:g};fanout={fanout_kind}"
+
+
+def make_hello(vocab_hash: str, vocab_size: int, k: int, budget: int, mode: str) -> pb.Hello:
+    return pb.Hello(protocol_version=PROTOCOL_VERSION, vocab_hash=vocab_hash, vocab_size=vocab_size, k=k,
+                    budget=budget, sampling_mode=mode)
+
+
+def hello_mismatch(got: pb.Hello, want: pb.Hello) -> list[str]:
+    """Every field on which a verifier's Hello disagrees with the drafter's own (empty: a valid pairing)."""
+    problems = []
+    for name in ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode"):
+        a, b = getattr(got, name), getattr(want, name)
+        if a != b:
+            problems.append(f"{name}: verifier has {a!r}, drafter has {b!r}")
+    return problems

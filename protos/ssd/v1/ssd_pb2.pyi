@@ -1,0 +1,261 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "stop_token_ids", "logprobs", "request_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: bool
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RequestStats(_message.Message):
+    __slots__ = ("ttft_s", "decode_s", "tokens_per_s", "num_rounds", "mean_tokens_per_round", "acceptance_rate", "acceptance_by_position")
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ttft_s: float
+    decode_s: float
+    tokens_per_s: float
+    num_rounds: int
+    mean_tokens_per_round: float
+    acceptance_rate: float
+    acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., num_rounds: _Optional[int] = ..., mean_tokens_per_round: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GenerateResult(_message.Message):
+    __slots__ = ("request_id", "mode", "token_ids", "text", "finish_reason", "num_prompt_tokens", "logprobs", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    mode: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    stats: RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., mode: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("delta", "final")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    delta: TokenDelta
+    final: GenerateResult
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateResult, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("mode", "running", "queued", "kv_usage", "tokens_emitted", "rounds", "acceptance_rate", "mean_tokens_per_round", "cache_hit_rate", "drafter_connected", "json")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_EMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    running: int
+    queued: int
+    kv_usage: float
+    tokens_emitted: int
+    rounds: int
+    acceptance_rate: float
+    mean_tokens_per_round: float
+    cache_hit_rate: float
+    drafter_connected: bool
+    json: str
+    def __init__(self, mode: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_emitted: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., drafter_connected: _Optional[bool] = ..., json: _Optional[str] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_MODE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    vocab_hash: str
+    vocab_size: int
+    k: int
+    budget: int
+    sampling_mode: str
+    def __init__(self, protocol_version: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., sampling_mode: _Optional[str] = ...) -> None: ...
+
+class HelloAck(_message.Message):
+    __slots__ = ("protocol_version", "pid", "model", "device")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    pid: int
+    model: str
+    device: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SamplingSpec(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Prefill(_message.Message):
+    __slots__ = ("request_id", "token_ids", "params", "k")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: bytes
+    params: SamplingSpec
+    k: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., params: _Optional[_Union[SamplingSpec, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class Outcome(_message.Message):
+    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_K_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    verified_ids: bytes
+    num_accepted: int
+    bonus: int
+    next_k: int
+    verify_s: float
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ...) -> None: ...
+
+class Free(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class DrafterEvent(_message.Message):
+    __slots__ = ("hello", "prefill", "outcome", "free")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    prefill: Prefill
+    outcome: Outcome
+    free: Free
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("token_ids", "draft_probs", "source")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    draft_probs: bytes
+    source: str
+    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ...) -> None: ...
+
+class Branch(_message.Message):
+    __slots__ = ("num_accepted", "bonus", "speculation")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    bonus: int
+    speculation: Speculation
+    def __init__(self, num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Bundle(_message.Message):
+    __slots__ = ("request_id", "round", "base_ids", "branches")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    base_ids: bytes
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., base_ids: _Optional[bytes] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+
+class JitSpeculation(_message.Message):
+    __slots__ = ("request_id", "round", "speculation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    speculation: Speculation
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class DrafterMessage(_message.Message):
+    __slots__ = ("ack", "bundle", "jit")
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    JIT_FIELD_NUMBER: _ClassVar[int]
+    ack: HelloAck
+    bundle: Bundle
+    jit: JitSpeculation
+    def __init__(self, ack: _Optional[_Union[HelloAck, _Mapping]] = ..., bundle: _Optional[_Union[Bundle, _Mapping]] = ..., jit: _Optional[_Union[JitSpeculation, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,124 @@
+"""``ssd serve`` (Ray-placed drafter and verifier behind the gRPC API) and ``ssd client`` (its command-line client)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from ssd_cli.main import CliError, print_json
+
+logger = logging.getLogger("ssd")
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="serve the gRPC API with drafter and verifier as Ray actors")
+    s.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
+    s.add_argument("--host", default="127.0.0.1", help="public bind host (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="public gRPC port (default 50051; 0 = any free)")
+    s.add_argument("--k", type=int, default=2, help="lookahead K (default 2, the best measured on CPU)")
+    s.add_argument("--budget", type=int, default=None, help="pre-drafted branches per request (fan-out budget)")
+    s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting C in (0, 1]")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="requests batched per verify step")
+    s.add_argument("--max-queue", type=int, default=64, help="admitted requests before RESOURCE_EXHAUSTED")
+    s.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto",
+                   help="one GPU per actor (auto: if the cluster has >= 2 GPUs)")
+    s.add_argument("--strategy", default="PACK", help="placement strategy: PACK | SPREAD | STRICT_SPREAD | ...")
+    s.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
+    s.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    s.add_argument("--target", help="target HF model folder (default: the shipped pair)")
+    s.add_argument("--draft", help="draft HF model folder (default: the shipped pair)")
+    s.add_argument("--dtype", default="float32")
+
+    c = sub.add_parser("client", help="talk to a running `ssd serve`")
+    csub = c.add_subparsers(dest="client_command", required=True)
+    g = csub.add_parser("generate", help="stream one generation to the terminal")
+    g.add_argument("--address", default="127.0.0.1:50051")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    g.add_argument("--json", action="store_true", help="print the same JSON object as `ssd generate --json`")
+    st = csub.add_parser("stats", help="print the server's counters as JSON")
+    st.add_argument("--address", default="127.0.0.1:50051")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.launch import PairConfig, launch
+    from drafter_service.fanout import FanoutConfig
+    from spec_core.models import check_model_dir, default_pair
+
+    pair = default_pair()
+    target, draft = args.target or pair["target"], args.draft or pair["draft"]
+    check_model_dir(target)
+    check_model_dir(draft)
+    cfg = PairConfig(target, draft, k=args.k, budget=args.budget or FanoutConfig().budget,
+                     saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
+                     max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
+                     use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy)
+    cfg.verifier_config()  # validate before starting Ray
+    if args.address:
+        ray.init(address=args.address, logging_level=logging.WARNING)
+    else:
+        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deployment = launch(cfg)
+    except Exception as exc:
+        ray.shutdown()
+        raise CliError(f"could not start the service: {exc}") from exc
+    info = deployment.info()
+    print(f"ssd serve: gRPC address {deployment.address}", flush=True)
+    print_json(info)
+    sys.stdout.flush()
+    stop.wait()
+    logger.warning("draining (up to %.0f s) ...", args.drain_grace)
+    deployment.shutdown(args.drain_grace)
+    ray.shutdown()
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos import codec
+    from spec_core.config import SamplingParams
+    from verifier_service.client import SSDClient
+
+    if args.client_command == "stats":
+        with SSDClient(args.address) as client:
+            try:
+                print_json(__import__("json").loads(client.stats().json))
+            except grpc.RpcError as exc:
+                raise CliError(f"{exc.code().name}: {exc.details()}") from None
+        return 0
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    with SSDClient(args.address, timeout_s=args.timeout) as client:
+        try:
+            final = None
+            for resp in client.generate(args.prompt, params):
+                if resp.WhichOneof("kind") == "delta":
+                    if not args.json:
+                        sys.stdout.write(resp.delta.text)
+                        sys.stdout.flush()
+                else:
+                    final = resp.final
+        except grpc.RpcError as exc:
+            raise CliError(f"{exc.code().name}: {exc.details()}") from None
+    if args.json:
+        print_json(codec.result_to_json(final))
+    else:
+        sys.stdout.write("\n")
+    return 0

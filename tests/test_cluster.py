@@ -1,0 +1,119 @@
+"""Ray placement of the pair, and ``ssd serve`` end to end as a subprocess on a real TCP port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from spec_core.config import SamplingParams
+from verifier_service.client import SSDClient
+
+PROMPTS = [f"def task_{i}(x):\n    " for i in range(8)]
+
+
+def test_placement_one_gpu_each_in_one_group(ray_session, default_pair, greedy_reference) -> None:
+    from cluster.launch import PairConfig, launch
+
+    dep = launch(PairConfig(default_pair["target"], default_pair["draft"], port=0, use_gpu=True))
+    try:
+        info = dep.info()
+        d, v = info["drafter"], info["verifier"]
+        assert d["pid"] != v["pid"]
+        assert d["placement_group_id"] == v["placement_group_id"] == dep.pg.id.hex()
+        assert len(d["gpu_ids"]) == 1 and len(v["gpu_ids"]) == 1 and d["gpu_ids"] != v["gpu_ids"]
+        assert d["torch_threads"] == v["torch_threads"] == 1
+        table = ray_session.util.placement_group_table(dep.pg)
+        assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+        assert all(b == {"GPU": 1.0, "CPU": 1.0} for b in table["bundles"].values())
+        with SSDClient(dep.address) as client:
+            res = client.complete(PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert list(res.token_ids) == greedy_reference(PROMPTS[0], 24)
+    finally:
+        dep.shutdown(grace_s=5)
+
+
+def test_strict_spread_on_one_node_times_out(ray_session, default_pair) -> None:
+    from cluster.launch import PairConfig, PlacementError, launch
+
+    with pytest.raises(PlacementError, match="not ready"):
+        launch(PairConfig(default_pair["target"], default_pair["draft"], strategy="STRICT_SPREAD",
+                          use_gpu=False, placement_timeout_s=2))
+
+
+@pytest.fixture(scope="module")
+def served():
+    """``ssd serve`` as a subprocess with its own embedded Ray, on a free port."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{"):
+            info = json.loads(line)
+            break
+    if info is None:
+        proc.kill()
+        pytest.fail(f"ssd serve did not start: {proc.stderr.read()[-2000:]}")
+    yield proc, info
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, greedy_reference) -> None:
+    proc, info = served
+    assert info["drafter"]["pid"] != info["verifier"]["pid"]
+    assert info["drafter"]["placement_group_id"] == info["verifier"]["placement_group_id"]
+    assert info["drafter"]["affinity"] != info["verifier"]["affinity"]  # pinned to separate cores
+    expected = {p: greedy_reference(p, 24) for p in PROMPTS}
+
+    def one(prompt: str):
+        with SSDClient(info["address"]) as client:
+            return prompt, client.generate_all(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, PROMPTS))
+    for prompt, out in results:
+        assert list(out.final.token_ids) == expected[prompt]
+        assert out.streamed_token_ids == list(out.final.token_ids)
+        assert out.streamed_text == out.final.text
+
+
+def test_serve_health_and_reflection(served) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    _, info = served
+    with SSDClient(info["address"]) as client:
+        assert client.health() == "SERVING"
+        assert client.health("") == "SERVING"
+    with grpc.insecure_channel(info["address"]) as ch:
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {"ssd.v1.Generation", "grpc.health.v1.Health"} <= services
+    with grpc.insecure_channel(info["drafter"]["address"]) as ch:
+        assert "ssd.v1.Drafter" in set(ProtoReflectionDescriptorDatabase(ch).get_services())
+
+
+def test_client_cli_json_and_sigterm(served, greedy_reference) -> None:
+    proc, info = served
+    out = subprocess.run([sys.executable, "-m", "ssd_cli.main", "client", "generate", "--address", info["address"],
+                          "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["token_ids"] == greedy_reference(PROMPTS[1], 16) and obj["mode"] == "ssd"
+    bad = subprocess.run([sys.executable, "-m", "ssd_cli.main", "client", "generate", "--address", info["address"],
+                          "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0

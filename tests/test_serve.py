@@ -1,0 +1,92 @@
+"""Ray Serve: two replicas, each with its own drafter–verifier pair; gRPC through Serve's proxy; OpenAI HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import grpc
+import pytest
+
+from protos import codec
+from protos.ssd.v1 import ssd_pb2 as pb
+from protos.ssd.v1 import ssd_pb2_grpc
+from spec_core.config import SamplingParams
+
+PROMPT = "class Stack:\n    def push(self, item):\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_session):
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.serve_app import build_app
+
+    grpc_port, http_port = _free_port(), _free_port()
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[
+                    "protos.ssd.v1.ssd_pb2_grpc.add_GenerationServicer_to_server"]))
+    handle = serve.run(build_app({"use_gpu": False, "num_replicas": 2, "pair_cpus": 0.3, "replica_cpus": 0.2}),
+                       name="ssd", route_prefix="/")
+    yield handle, grpc_port, http_port
+    serve.shutdown()
+
+
+def test_two_replicas_each_with_own_pair(serve_app) -> None:
+    from ray import serve
+
+    status = serve.status().applications["ssd"].deployments["SSDServer"]
+    assert status.status == "HEALTHY"
+    assert status.replica_states.get("RUNNING") == 2
+
+
+def test_grpc_through_serve_proxy_equals_ar(serve_app, greedy_reference) -> None:
+    _, grpc_port, _ = serve_app
+    req = codec.params_to_request(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        stub = ssd_pb2_grpc.GenerationStub(ch)
+        responses = list(stub.Generate(req, metadata=(("application", "ssd"),), timeout=300))
+    deltas = [r.delta for r in responses if r.WhichOneof("kind") == "delta"]
+    final = responses[-1].final
+    assert list(final.token_ids) == greedy_reference(PROMPT, 24)
+    assert [t for d in deltas for t in d.token_ids] == list(final.token_ids)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        stats = ssd_pb2_grpc.GenerationStub(ch).GetStats(pb.StatsRequest(), metadata=(("application", "ssd"),),
+                                                         timeout=60)
+    assert stats.mode == "ssd"
+
+
+def test_openai_completions_stream_and_models(serve_app, greedy_reference) -> None:
+    _, _, http_port = serve_app
+    base = f"http://127.0.0.1:{http_port}"
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=60) as r:
+        assert json.load(r)["data"][0]["id"] == "ssd-default"
+    body = {"model": "ssd-default", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    body["stream"] = False
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        full = json.load(r)
+    assert full["choices"][0]["text"] == text and full["usage"]["completion_tokens"] == 12
+    bad = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({"prompt": "x", "top_p": 3}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(bad, timeout=60)
+    assert info.value.code == 400 and "top_p" in json.load(info.value)["error"]["message"]

@@ -1,0 +1,264 @@
+"""The verifier's public gRPC server (``ssd.v1.Generation``) over an :class:`EngineLoop`.
+
+Status codes: INVALID_ARGUMENT (bad request, with a message), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
+(starting or draining), INTERNAL (an engine failure; the server keeps serving). A client that cancels (or whose
+deadline passes) has its request cancelled: KV blocks are freed here and on the drafter. ``drain`` turns health to
+NOT_SERVING, refuses new calls and lets in-flight streams finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from drafter_service.fanout import FanoutConfig
+from protos import codec
+from protos.serving import ServerThread, add_health_and_reflection, set_health
+from protos.ssd.v1 import ssd_pb2 as pb
+from protos.ssd.v1 import ssd_pb2_grpc
+from spec_core.config import MODES, ModelConfig
+from spec_core.models import load_pair, vocab_hash
+from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.scheduler import SchedulerConfig
+from verifier_service.service import Delta, Draining, EngineLoop, Failed, Finished, QueueFull
+
+logger = logging.getLogger(__name__)
+SERVICE = "ssd.v1.Generation"
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierServerConfig:
+    target_path: str
+    draft_path: str | None = None  # mode "sd" only (in ssd mode the draft lives in the drafter)
+    mode: str = "ssd"
+    k: int = 2
+    budget: int = FanoutConfig().budget
+    saguaro_c: float = 1.0
+    fanout: str = "geometric"
+    dtype: str = "float32"
+    device: str = "cpu"
+    backup: str = "ngram"
+    wait_fraction: float = 0.5
+    max_num_seqs: int = 16
+    max_queue: int = 64
+    num_blocks: int = 2048
+    block_size: int = 16
+    host: str = "127.0.0.1"
+    port: int = 0
+    drain_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.max_queue < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_queue and max_num_seqs must be >= 1")
+
+
+def _stats_pb(finished: Finished) -> pb.RequestStats:
+    seq, s = finished.seq, finished.stats
+    decode_s = (seq.emit_times[-1] - seq.emit_times[0]) if len(seq.emit_times) > 1 else 0.0
+    out = pb.RequestStats(ttft_s=finished.ttft_s, decode_s=decode_s,
+                          tokens_per_s=(len(seq.output_ids) - 1) / decode_s if decode_s > 0 else 0.0)
+    if s is not None and s.num_rounds:
+        out.num_rounds = s.num_rounds
+        out.mean_tokens_per_round = (len(seq.output_ids) - 1) / s.num_rounds
+        out.acceptance_rate = s.acceptance_rate or 0.0
+        out.acceptance_by_position.extend(s.acceptance_by_position())
+    return out
+
+
+class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
+    def __init__(self, server: VerifierServer) -> None:
+        self.server = server
+
+    async def _submit(self, request: pb.GenerateRequest, context):
+        srv = self.server
+        if srv.engine_loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
+        try:
+            prompt, params = codec.request_to_params(request)
+            ids = srv.encode(prompt)
+            seq = srv.engine_loop.new_sequence(ids, params, request.request_id)
+            return srv.engine_loop.submit(seq, asyncio.get_running_loop())
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Draining as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _result(self, finished: Finished) -> pb.GenerateResult:
+        seq = finished.seq
+        return pb.GenerateResult(
+            request_id=seq.request_id, mode=self.server.config.mode, token_ids=seq.output_ids, text=seq.text,
+            finish_reason=seq.finish_reason or "", num_prompt_tokens=len(seq.prompt_ids),
+            logprobs=seq.output_logprobs, stats=_stats_pb(finished))
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        handle = await self._submit(request, context)
+        try:
+            while True:
+                ev = await handle.events.get()
+                if isinstance(ev, Delta):
+                    yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text,
+                                                                  logprobs=ev.logprobs))
+                elif isinstance(ev, Finished):
+                    yield pb.GenerateResponse(final=self._result(ev))
+                    return
+                elif isinstance(ev, Failed):
+                    await context.abort(_failure_code(ev), ev.message)
+        finally:
+            if not handle.done:  # the client went away (cancel, deadline): free its KV on both sides
+                self.server.engine_loop.cancel(handle)
+
+    async def Complete(self, request, context):  # noqa: N802
+        handle = await self._submit(request, context)
+        try:
+            while True:
+                ev = await handle.events.get()
+                if isinstance(ev, Finished):
+                    return self._result(ev)
+                if isinstance(ev, Failed):
+                    await context.abort(_failure_code(ev), ev.message)
+        finally:
+            if not handle.done:
+                self.server.engine_loop.cancel(handle)
+
+    async def GetStats(self, request, context):  # noqa: N802
+        stats = self.server.stats()
+        return pb.StatsResponse(
+            mode=stats["mode"], running=stats["running"], queued=stats["queued"], kv_usage=stats["kv_usage"],
+            tokens_emitted=stats["tokens_emitted"], rounds=stats["rounds"],
+            acceptance_rate=stats["acceptance_rate"] or 0.0,
+            mean_tokens_per_round=stats["mean_tokens_per_round"] or 0.0,
+            cache_hit_rate=stats["cache_hit_rate"] or 0.0, drafter_connected=stats["drafter_connected"],
+            json=json.dumps(stats))
+
+
+def _failure_code(ev: Failed) -> grpc.StatusCode:
+    return grpc.StatusCode.INTERNAL if ev.message.startswith("internal error") else grpc.StatusCode.INVALID_ARGUMENT
+
+
+class VerifierServer:
+    """Loads the target, connects to the drafter (mode ssd), and serves ``ssd.v1.Generation`` on its own thread."""
+
+    def __init__(self, config: VerifierServerConfig) -> None:
+        self.config = config
+        draft = ModelConfig(config.draft_path, config.dtype, config.device) if config.mode == "sd" else None
+        if config.mode == "sd" and config.draft_path is None:
+            raise ValueError("mode sd needs draft_path")
+        self.pair = load_pair(ModelConfig(config.target_path, config.dtype, config.device), draft)
+        self.vocab_hash = vocab_hash(self.pair.tokenizer)
+        self.link = None
+        self.engine_loop: EngineLoop | None = None
+        self.thread: ServerThread | None = None
+        self.health = None
+        self.address: str | None = None
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a prompt, validated against the vocabulary and the context limit (ValueError)."""
+        ids = self.pair.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) \
+            else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.pair.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids out of vocabulary (size {vocab}): {bad[:5]}")
+        limit = self.pair.target.spec.max_positions
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {limit}")
+        return ids
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def hello(self) -> pb.Hello:
+        c = self.config
+        return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, c.k, c.budget,
+                                codec.sampling_mode(c.saguaro_c, c.fanout))
+
+    def _build_engine(self, drafter_address: str | None) -> VerifierEngine:
+        c = self.config
+        proposer, branching = None, 1
+        if c.mode == "ssd":
+            from verifier_service.drafter_link import GrpcDrafterLink
+            from verifier_service.ssd_proposer import SSDProposer
+
+            if not drafter_address:
+                raise ValueError("mode ssd needs a drafter address")
+            self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size)
+            proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
+                                   wait_fraction=c.wait_fraction)
+        elif c.mode == "sd":
+            from drafter_service.draft_engine import BatchDrafter, DraftConfig
+
+            proposer = BatchDrafter(self.pair.draft, DraftConfig(k=c.k, num_blocks=c.num_blocks,
+                                                                 block_size=c.block_size))
+        sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_spec_nodes=max(1, c.k * branching))
+        return VerifierEngine(self.pair.target, EngineConfig(c.num_blocks, c.block_size, sched), drafter=proposer,
+                              k=c.k if proposer is not None else 0)
+
+    def start(self, drafter_address: str | None = None) -> str:
+        engine = self._build_engine(drafter_address)
+        self.engine_loop = EngineLoop(engine, self.pair.tokenizer, self.pair.eos_ids, self.config.max_queue)
+        self.engine_loop.start()
+        servicer = GenerationServicer(self)
+
+        async def setup(server: grpc.aio.Server) -> None:
+            ssd_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+            self.health = add_health_and_reflection(server, [SERVICE])
+            await set_health(self.health, [SERVICE], serving=True)
+
+        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="verifier-grpc")
+        port = self.thread.start()
+        self.address = f"{self.config.host}:{port}"
+        logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.mode)
+        return self.address
+
+    def drain(self, grace_s: float | None = None) -> bool:
+        """Health NOT_SERVING, refuse new requests (UNAVAILABLE), finish in-flight ones, then stop the server."""
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        if self.thread is not None and self.health is not None:
+            self.thread.call(lambda: set_health(self.health, [SERVICE], serving=False))
+        done = self.engine_loop.drain(grace) if self.engine_loop is not None else True
+        self.stop(grace_s=1.0)
+        return done
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self.thread is not None:
+            self.thread.stop(grace_s)
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
+        if self.link is not None:
+            self.link.close()
+
+    def stats(self) -> dict:
+        loop = self.engine_loop
+        out = {"mode": self.config.mode, "address": self.address, "running": 0, "queued": 0, "kv_usage": 0.0,
+               "tokens_emitted": 0, "rounds": 0, "acceptance_rate": None, "mean_tokens_per_round": None,
+               "cache_hit_rate": None, "drafter_connected": bool(self.link is not None and self.link.alive),
+               "uptime_s": time.time() - loop.started_at if loop else 0.0}
+        if loop is None:
+            return out
+        eng = loop.engine
+        m = eng.metrics.stats
+        out.update(running=len(eng.scheduler.running), queued=len(eng.scheduler.waiting),
+                   kv_usage=eng.blocks.usage, tokens_emitted=eng.metrics.tokens_emitted, rounds=m.num_rounds,
+                   acceptance_rate=m.acceptance_rate,
+                   mean_tokens_per_round=(m.num_accepted / m.num_rounds + 1) if m.num_rounds else None,
+                   acceptance_by_position=m.acceptance_by_position(), admitted=loop.num_admitted,
+                   engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s)
+        proposer = eng.drafter
+        if self.config.mode == "ssd" and proposer is not None:
+            s = proposer.stats
+            out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,
+                       backup_rounds=s.backup, verifier_wait_s=s.wait_s)
+        if self.link is not None:
+            out.update(link_bytes_sent=self.link.bytes_sent, link_bytes_received=self.link.bytes_received,
+                       drafter_error=self.link.error)
+        return out
