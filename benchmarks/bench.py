@@ -27,7 +27,7 @@ from spec_core.prompts import humaneval_prompts, read_prompt_file
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "hf-generate", "hf-assisted")
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,8 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "cache_hit_rate": _mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
         "verifier_idle_fraction": _mean([e["verifier_idle_fraction"] for e in ssd_extra or []
                                          if e["verifier_idle_fraction"] is not None]),
+        "link_bytes_per_round": _mean([e["link_bytes_per_round"] for e in ssd_extra or []
+                                       if e.get("link_bytes_per_round") is not None]),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
         "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and mode != "ar" else None,
         "num_runs": len(tps),
@@ -174,19 +176,30 @@ class ModeRunner:
             pair = self.gen.pair
             self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, SSDConfig(k=settings.k)),
                                       eos_ids=pair.eos_ids).__enter__()
-        self.ssd_extra: list[dict] = []
+        self.service = None
+        if "ssd-service" in settings.modes:
+            from benchmarks.service_mode import ServiceMode
+
+            self.service = ServiceMode(target.path, draft.path, settings.k)
+        self.ssd_extra: dict[str, list[dict]] = {"ssd": [], "ssd-service": []}
 
     def close(self) -> None:
         if self.local_ssd is not None:
             self.local_ssd.__exit__(None, None, None)
+        if self.service is not None:
+            self.service.close()
 
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        if mode == "ssd-service":
+            result, extra = self.service.run(prompt, params)
+            self.ssd_extra[mode].append(extra)
+            return result
         if mode == "ssd":
             from verifier_service.local_ssd import generate_ssd
 
             ids = self.gen.encode(prompt)
             seq, stats, extra = generate_ssd(self.local_ssd, ids, params)
-            self.ssd_extra.append(extra)
+            self.ssd_extra[mode].append(extra)
             return GenerationResult("ssd", ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
                                     list(seq.emit_times))
         if mode not in self.hf:
@@ -215,7 +228,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in settings.modes}
-        runner.ssd_extra = []
+        runner.ssd_extra = {"ssd": [], "ssd-service": []}
         reference: dict[tuple[int, int], list[int]] = {}
         for pi, prompt in enumerate(prompts):
             for rep in range(settings.repeats):
@@ -240,7 +253,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                 reference = {(pi, rep): gen.generate(p, SamplingParams(max_new_tokens=settings.max_new_tokens,
                                                                        ignore_eos=settings.ignore_eos), mode="ar").token_ids
                              for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
-        results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra if m == "ssd" else None)
+        results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
                        for m in settings.modes)
     report = {
         "hardware": hardware_info(),

@@ -70,13 +70,16 @@ class DrafterActor:
 class VerifierActor:
     def __init__(self, config: VerifierServerConfig, core: int | None = None) -> None:
         device = _setup_process(core)
-        self.server = VerifierServer(replace(config, device=device if config.device == "auto" else config.device))
+        host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
+        self.server = VerifierServer(replace(config, host=host,
+                                             device=device if config.device == "auto" else config.device))
 
     def start(self, drafter_address: str | None) -> str:
         return self.server.start(drafter_address)
 
     def info(self) -> dict:
-        return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device)}
+        return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device),
+                "metrics_address": self.server.metrics_address}
 
     def stats(self) -> dict:
         return self.server.stats()

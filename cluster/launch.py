@@ -46,6 +46,7 @@ class PairConfig:
     port: int = 50051
     max_num_seqs: int = 16
     max_queue: int = 64
+    metrics_port: int | None = None  # Prometheus endpoint on the verifier's node (None: off)
     use_gpu: bool | None = None  # None: GPUs if the cluster has at least two
     strategy: str = "PACK"
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
@@ -57,7 +58,7 @@ class PairConfig:
         return VerifierServerConfig(self.target_path, mode="ssd", k=self.k, budget=self.budget,
                                     saguaro_c=self.saguaro_c, dtype=self.dtype, device="auto", host=self.host,
                                     port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
-                                    **self.extra_verifier)
+                                    metrics_port=self.metrics_port, **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)

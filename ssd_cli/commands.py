@@ -80,7 +80,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from spec_core.models import load_pair, set_threads
+    import os
+
+    from spec_core.models import check_model_dir, load_pair, set_threads
     from verifier_service.batch import BatchSettings, run_batch
 
     target, draft = _model_configs(args, need_draft=args.mode in ("sd", "ssd"))
@@ -88,7 +90,16 @@ def cmd_batch(args: argparse.Namespace) -> int:
                              max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks,
                              draft_path=draft.path if draft else None)
     set_threads(args.threads)
-    summary = run_batch(load_pair(target, draft), Path(args.input), Path(args.output), settings)
+    ray_address = args.address or os.environ.get("RAY_ADDRESS")
+    if args.mode == "ssd" and ray_address and not args.local:
+        from cluster.batch_job import run_batch_on_ray
+
+        check_model_dir(target.path)
+        check_model_dir(draft.path)
+        summary = run_batch_on_ray(ray_address, Path(args.input), Path(args.output), settings, target.path,
+                                   draft.path)
+    else:
+        summary = run_batch(load_pair(target, draft), Path(args.input), Path(args.output), settings)
     logger.info("batch: %s", summary)
     sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
                      f"{summary['wall_s']:.1f}s ({summary['tokens_per_s']:.1f} tok/s)\n")

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--branching", type=int, default=1, help="tree branches at the root (1 = chain)")
     bt.add_argument("--max-new-tokens", type=int, default=128, help="default for lines without one")
     bt.add_argument("--kv-blocks", type=int, default=2048, help="KV cache budget in blocks of 16 tokens")
+    bt.add_argument("--address", help="mode ssd: run on this Ray cluster, drafter and verifier as placed actors "
+                    "(under `ray job submit` the job's cluster, from RAY_ADDRESS, is used automatically)")
+    bt.add_argument("--local", action="store_true", help="mode ssd: ignore RAY_ADDRESS; run the local two-process SSD")
     _add_model_flags(bt)
 
     d = sub.add_parser("demo", help="complete the shipped prompt with AR, SD and SSD; print the speedups")

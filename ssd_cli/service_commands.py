@@ -18,6 +18,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
     s.add_argument("--host", default="127.0.0.1", help="public bind host (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="public gRPC port (default 50051; 0 = any free)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (same host as the gRPC API; 0 = any free port)")
     s.add_argument("--k", type=int, default=2, help="lookahead K (default 2, the best measured on CPU)")
     s.add_argument("--budget", type=int, default=None, help="pre-drafted branches per request (fan-out budget)")
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting C in (0, 1]")
@@ -64,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = PairConfig(target, draft, k=args.k, budget=args.budget or FanoutConfig().budget,
                      saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
                      max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                     use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy)
+                     use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
+                     metrics_port=args.metrics_port)
     cfg.verifier_config()  # validate before starting Ray
     if args.address:
         ray.init(address=args.address, logging_level=logging.WARNING)
@@ -80,6 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"could not start the service: {exc}") from exc
     info = deployment.info()
     print(f"ssd serve: gRPC address {deployment.address}", flush=True)
+    if info["verifier"].get("metrics_address"):
+        print(f"ssd serve: Prometheus metrics at http://{info['verifier']['metrics_address']}/metrics", flush=True)
     print_json(info)
     sys.stdout.flush()
     stop.wait()

@@ -52,7 +52,7 @@ def test_strict_spread_on_one_node_times_out(ray_session, default_pair) -> None:
 def served():
     """``ssd serve`` as a subprocess with its own embedded Ray, on a free port."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     info = None
     deadline = time.monotonic() + 240
@@ -102,6 +102,23 @@ def test_serve_health_and_reflection(served) -> None:
     assert {"ssd.v1.Generation", "grpc.health.v1.Health"} <= services
     with grpc.insecure_channel(info["drafter"]["address"]) as ch:
         assert "ssd.v1.Drafter" in set(ProtoReflectionDescriptorDatabase(ch).get_services())
+
+
+def test_serve_exports_prometheus_metrics(served) -> None:
+    import urllib.request
+
+    _, info = served
+    with SSDClient(info["address"]) as client:
+        client.complete(PROMPTS[2], SamplingParams(max_new_tokens=8))
+    with urllib.request.urlopen(f"http://{info['verifier']['metrics_address']}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("ssd_acceptance_rate", "ssd_tokens_per_round", "ssd_cache_hit_rate", "ssd_queue_depth",
+                 "ssd_running_requests", "ssd_kv_block_usage", "ssd_verifier_wait_fraction",
+                 "ssd_time_to_first_token_seconds_bucket", "ssd_inter_token_latency_seconds_bucket",
+                 "ssd_verify_seconds_bucket", "ssd_draft_seconds_bucket", 'ssd_acceptance_by_position{position="1"}'):
+        assert name in text, name
+    count = [line for line in text.splitlines() if line.startswith("ssd_time_to_first_token_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1
 
 
 def test_client_cli_json_and_sigterm(served, greedy_reference) -> None:

@@ -127,20 +127,29 @@ def result_json(seq: Sequence, engine: VerifierEngine) -> dict:
     }
 
 
-def run_batch(pair: LoadedPair, input_path: Path, output_path: Path, settings: BatchSettings) -> dict:
-    """Run every request of ``input_path``; write results in input order; return engine metrics."""
+def read_requests(input_path: Path, default_max_new: int) -> list[tuple[str | None, object, SamplingParams]]:
+    """Parse and validate every line of a JSONL request file (ValueError naming the bad line)."""
     if not input_path.is_file():
         raise ValueError(f"input file not found: {input_path}")
     rows = []
-    for line_no, line in enumerate(input_path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        lines = input_path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{input_path} is not valid UTF-8") from None
+    for line_no, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append(parse_request(json.loads(line), line_no, settings.max_new_tokens))
+                rows.append(parse_request(json.loads(line), line_no, default_max_new))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"line {line_no}: not valid JSON ({exc.msg})") from None
     if not rows:
         raise ValueError(f"{input_path} has no requests")
-    seqs = make_sequences(pair, rows)
+    return rows
+
+
+def run_batch(pair: LoadedPair, input_path: Path, output_path: Path, settings: BatchSettings) -> dict:
+    """Run every request of ``input_path``; write results in input order; return engine metrics."""
+    seqs = make_sequences(pair, read_requests(input_path, settings.max_new_tokens))
     if settings.mode == "ssd":
         from drafter_service.ssd_drafter import SSDConfig
         from verifier_service.local_ssd import LocalSSD, LocalSSDConfig

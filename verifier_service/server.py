@@ -51,6 +51,8 @@ class VerifierServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     drain_grace_s: float = 30.0
+    #: Prometheus exposition port (None: off; 0: any free port).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +70,7 @@ def _stats_pb(finished: Finished) -> pb.RequestStats:
         out.num_rounds = s.num_rounds
         out.mean_tokens_per_round = (len(seq.output_ids) - 1) / s.num_rounds
         out.acceptance_rate = s.acceptance_rate or 0.0
+        out.num_drafted, out.num_accepted = s.num_drafted, s.num_accepted
         out.acceptance_by_position.extend(s.acceptance_by_position())
     return out
 
@@ -159,6 +162,8 @@ class VerifierServer:
         self.thread: ServerThread | None = None
         self.health = None
         self.address: str | None = None
+        self.metrics = None
+        self.metrics_address: str | None = None
 
     # ---- requests --------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -205,7 +210,14 @@ class VerifierServer:
 
     def start(self, drafter_address: str | None = None) -> str:
         engine = self._build_engine(drafter_address)
-        self.engine_loop = EngineLoop(engine, self.pair.tokenizer, self.pair.eos_ids, self.config.max_queue)
+        if self.config.metrics_port is not None:
+            from verifier_service.metrics import ServiceMetrics
+
+            self.metrics = ServiceMetrics(self.stats)
+            port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            self.metrics_address = f"{self.config.host}:{port}"
+        self.engine_loop = EngineLoop(engine, self.pair.tokenizer, self.pair.eos_ids, self.config.max_queue,
+                                      metrics=self.metrics)
         self.engine_loop.start()
         servicer = GenerationServicer(self)
 
@@ -236,6 +248,8 @@ class VerifierServer:
             self.engine_loop.stop()
         if self.link is not None:
             self.link.close()
+        if self.metrics is not None:
+            self.metrics.stop()
 
     def stats(self) -> dict:
         loop = self.engine_loop
@@ -256,8 +270,10 @@ class VerifierServer:
         proposer = eng.drafter
         if self.config.mode == "ssd" and proposer is not None:
             s = proposer.stats
+            step_s = eng.metrics.step_s
             out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,
-                       backup_rounds=s.backup, verifier_wait_s=s.wait_s)
+                       backup_rounds=s.backup, verifier_wait_s=s.wait_s,
+                       verifier_wait_fraction=s.wait_s / step_s if step_s > 0 else None)
         if self.link is not None:
             out.update(link_bytes_sent=self.link.bytes_sent, link_bytes_received=self.link.bytes_received,
                        drafter_error=self.link.error)

@@ -72,8 +72,11 @@ class Handle:
 
 
 class EngineLoop:
-    def __init__(self, engine: VerifierEngine, tokenizer, eos_ids: tuple[int, ...], max_queue: int = 64) -> None:
+    def __init__(self, engine: VerifierEngine, tokenizer, eos_ids: tuple[int, ...], max_queue: int = 64,
+                 metrics=None) -> None:
+        """``metrics``: an optional :class:`verifier_service.metrics.ServiceMetrics` to observe latencies into."""
         self.engine = engine
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_queue = max_queue
@@ -140,12 +143,16 @@ class EngineLoop:
         while not self._stop:
             self._admit()
             if self.engine.has_work():
+                m = self.engine.metrics
+                f0, d0 = m.forward_s, m.draft_s
                 try:
                     self.engine.step()
                 except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                     logger.exception("engine step failed")
                     self._fail_all(f"internal error in the verifier: {exc}")
                     continue
+                if self.metrics is not None:
+                    self.metrics.observe_step(m.forward_s - f0, m.draft_s - d0)
                 self._publish()
             else:
                 self._wake.wait(0.05)
@@ -181,6 +188,8 @@ class EngineLoop:
             if seq.finished:
                 stats = self.engine.req_stats.pop(seq.request_id, None)
                 ttft = (seq.emit_times[0] - h.submitted_at) if seq.emit_times else 0.0
+                if self.metrics is not None:
+                    self.metrics.observe_request(seq.emit_times, h.submitted_at, seq.finish_reason)
                 self._end(h, Finished(seq, stats, ttft))
 
     @staticmethod

@@ -1,0 +1,60 @@
+"""``ssd batch --mode ssd`` on a Ray cluster (what ``ray job submit -- ssd batch ...`` runs).
+
+The job's driver places the drafter–verifier pair exactly as ``ssd serve`` does (one placement group, one bundle
+each), then sends every request through the verifier's gRPC API with ``concurrency`` requests in flight, and
+writes the results in input order with the same fields as the local ``ssd batch``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+from cluster.launch import PairConfig, launch
+from protos.ssd.v1 import ssd_pb2 as pb
+from verifier_service.batch import BatchSettings, read_requests
+from verifier_service.client import SSDClient
+
+logger = logging.getLogger(__name__)
+
+
+def result_row(rid: str, res: pb.GenerateResult) -> dict:
+    s = res.stats
+    return {"id": rid, "text": res.text, "token_ids": list(res.token_ids), "num_generated": len(res.token_ids),
+            "finish_reason": res.finish_reason or None, "num_prompt_tokens": res.num_prompt_tokens,
+            "num_rounds": s.num_rounds, "mean_tokens_per_round": s.mean_tokens_per_round or None}
+
+
+def run_batch_on_ray(address: str | None, input_path: Path, output_path: Path, settings: BatchSettings,
+                     target_path: str, draft_path: str) -> dict:
+    rows = read_requests(input_path, settings.max_new_tokens)
+    ray.init(address=address or "auto", logging_level=logging.WARNING)
+    cfg = PairConfig(target_path, draft_path, k=settings.k, host="node-ip", port=0,
+                     max_num_seqs=settings.concurrency, max_queue=max(64, settings.concurrency))
+    dep = launch(cfg)
+    try:
+        info = dep.info()
+        logger.info("pair placed: drafter pid %s on %s, verifier pid %s on %s", info["drafter"]["pid"],
+                    info["drafter"]["node_ip"], info["verifier"]["pid"], info["verifier"]["node_ip"])
+        t0 = time.perf_counter()
+        with SSDClient(dep.address) as client, ThreadPoolExecutor(settings.concurrency) as pool:
+            futures = [pool.submit(client.complete, prompt, params, rid or str(i))
+                       for i, (rid, prompt, params) in enumerate(rows)]
+            results = [f.result() for f in futures]
+            stats = json.loads(client.stats().json)
+        wall = time.perf_counter() - t0
+    finally:
+        dep.shutdown(grace_s=10)
+    with output_path.open("w", encoding="utf-8") as f:
+        for i, ((rid, _, _), res) in enumerate(zip(rows, results)):
+            f.write(json.dumps(result_row(rid or str(i), res)) + "\n")
+    total = sum(len(r.token_ids) for r in results)
+    sys.stderr.flush()
+    return {"requests": len(rows), "generated_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
+            "cache_hit_rate": stats.get("cache_hit_rate"), "placement": {k: info[k] for k in ("drafter", "verifier")}}
