@@ -30,7 +30,7 @@ from drafter_service.fanout import FanoutConfig, fanout_for
 from spec_core.block_manager import BlockManager
 from spec_core.packing import WorkItem, pack
 from spec_core.runner import ModelRunner
-from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs
+from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, Speculation
 
@@ -45,6 +45,9 @@ class SSDConfig:
     k: int = 5
     fanout: FanoutConfig = field(default_factory=FanoutConfig)
     saguaro_c: float = 1.0
+    #: The drafter proposes from its top-n tokens only (renormalised; exact, see ``truncate_top_n``), so sampled
+    #: speculations ship n (id, prob) pairs per token instead of a vocabulary-sized row. 0 = the full q.
+    proposal_top_n: int = 64
     num_blocks: int = 1024
     block_size: int = 16
     #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
@@ -106,7 +109,7 @@ class SSDDrafter:
             return int(logits.argmax()), None
         q = request_probs(logits[None, None], [seq.params])[0, 0]
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
-        q_prime = saguaro_downweight(q, top_f, self.config.saguaro_c)
+        q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), self.config.proposal_top_n)
         tok = int(sample_from_probs(q_prime[None], seq.uniforms(1))[0])
         return tok, q if self.config.ship_raw_q else q_prime
 

@@ -150,14 +150,46 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
     raise ValueError(f"unexpected drafter event {kind!r}")
 
 
+def pack_sparse_probs(probs: torch.Tensor) -> tuple[bytes, bytes, int] | None:
+    """(ids, values, width) when the rows are mostly zero (smaller than dense), else None."""
+    probs = probs.detach().to("cpu", torch.float32)
+    width = int((probs > 0).sum(-1).max()) if probs.numel() else 0
+    if width == 0 or width * 2 >= probs.shape[-1]:
+        return None
+    vals, ids = torch.topk(probs, width, dim=-1)  # all non-zeros of each row, zero-padded
+    ids = torch.where(vals > 0, ids, torch.zeros_like(ids))
+    return (ids.numpy().astype(_I32).tobytes(), vals.contiguous().numpy().astype(_F32, copy=False).tobytes(), width)
+
+
+def unpack_sparse_probs(ids_blob: bytes, vals_blob: bytes, rows: int, width: int, vocab_size: int) -> torch.Tensor:
+    n = rows * width
+    if width <= 0 or len(ids_blob) != 4 * n or len(vals_blob) != 4 * n:
+        raise ValueError(f"sparse probability blobs do not hold {rows}x{width} entries")
+    ids = torch.from_numpy(np.frombuffer(ids_blob, dtype=_I32).astype(np.int64).reshape(rows, width))
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError("sparse probability ids out of vocabulary")
+    vals = torch.from_numpy(np.frombuffer(vals_blob, dtype=_F32).reshape(rows, width).copy())
+    return torch.zeros(rows, vocab_size).scatter_add_(-1, ids, vals)
+
+
 def speculation_to_pb(spec: Speculation) -> pb.Speculation:
-    return pb.Speculation(token_ids=pack_ids(spec.token_ids), draft_probs=pack_probs(spec.draft_probs),
-                          source=spec.source)
+    msg = pb.Speculation(token_ids=pack_ids(spec.token_ids), source=spec.source)
+    if spec.draft_probs is not None:
+        sparse = pack_sparse_probs(spec.draft_probs)
+        if sparse is None:
+            msg.draft_probs = pack_probs(spec.draft_probs)
+        else:
+            msg.prob_ids, msg.prob_values, msg.prob_width = sparse
+    return msg
 
 
 def speculation_from_pb(msg: pb.Speculation, vocab_size: int) -> Speculation:
     ids = unpack_ids(msg.token_ids)
-    return Speculation(ids, unpack_probs(msg.draft_probs, len(ids), vocab_size), msg.source or "cache")
+    if msg.prob_width:
+        probs = unpack_sparse_probs(msg.prob_ids, msg.prob_values, len(ids), msg.prob_width, vocab_size)
+    else:
+        probs = unpack_probs(msg.draft_probs, len(ids), vocab_size)
+    return Speculation(ids, probs, msg.source or "cache")
 
 
 def message_to_pb(msg: object) -> pb.DrafterMessage:

@@ -105,3 +105,17 @@ def saguaro_downweight(probs: torch.Tensor, top_f: int, c: float) -> torch.Tenso
     top = torch.topk(probs, min(top_f, probs.shape[-1]), dim=-1).indices
     scale = torch.ones_like(probs).scatter_(-1, top, c)
     return normalise(probs * scale)
+
+
+def truncate_top_n(probs: torch.Tensor, n: int) -> torch.Tensor:
+    """Keep the ``n`` most likely tokens of each row and renormalise (``n <= 0``: unchanged).
+
+    Any proposal distribution keeps speculative sampling exact as long as the verifier uses the one the token was
+    drawn from, so the drafter may propose from this truncated q; its rows then travel as ``n`` (id, prob) pairs
+    instead of the whole vocabulary.
+    """
+    if n <= 0 or n >= probs.shape[-1]:
+        return probs
+    top = torch.topk(probs, n, dim=-1)
+    out = torch.zeros_like(probs).scatter_(-1, top.indices, top.values)
+    return normalise(out)

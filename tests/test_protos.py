@@ -52,6 +52,19 @@ def test_bundle_probabilities_are_bit_exact() -> None:
     assert torch.equal(codec.message_from_pb(jit, 50).speculation.draft_probs, probs[:1])
 
 
+def test_sparse_rows_are_bit_exact_and_small() -> None:
+    from spec_core.sampling import truncate_top_n
+
+    g = torch.Generator().manual_seed(1)
+    probs = truncate_top_n(torch.softmax(torch.randn(2, 8192, generator=g), -1), 64)
+    probs[1, 0] = 0.0  # a row with fewer non-zeros (padding) and a real entry competing with pad id 0
+    probs[0, 0] = 0.125
+    msg = codec.speculation_to_pb(Speculation([3, 4], probs, "cache"))
+    assert msg.prob_width == 65 and not msg.draft_probs and msg.ByteSize() < 2 * 65 * 8 + 64
+    back = codec.speculation_from_pb(pb.Speculation.FromString(msg.SerializeToString()), 8192)
+    assert torch.equal(back.draft_probs, probs)
+
+
 def test_malformed_blobs_are_rejected() -> None:
     with pytest.raises(ValueError, match="int32"):
         codec.unpack_ids(b"\x00\x01\x02")

@@ -54,3 +54,16 @@ def test_saguaro_downweights_top_f():
 def test_sampling_params_validation(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_truncate_top_n_keeps_the_most_likely_and_renormalises() -> None:
+    from spec_core.sampling import truncate_top_n
+
+    probs = torch.softmax(torch.randn(3, 100), -1)
+    out = truncate_top_n(probs, 5)
+    assert torch.allclose(out.sum(-1), torch.ones(3))
+    assert ((out > 0).sum(-1) == 5).all()
+    assert torch.equal(out.argmax(-1), probs.argmax(-1))
+    top = torch.topk(probs, 5, dim=-1).indices
+    assert torch.allclose(out.gather(-1, top), probs.gather(-1, top) / probs.gather(-1, top).sum(-1, keepdim=True))
+    assert torch.equal(truncate_top_n(probs, 0), probs)

@@ -213,14 +213,20 @@ class DrafterEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "source")
+    __slots__ = ("token_ids", "draft_probs", "source", "prob_ids", "prob_values", "prob_width")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROB_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROB_WIDTH_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     draft_probs: bytes
     source: str
-    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ...) -> None: ...
+    prob_ids: bytes
+    prob_values: bytes
+    prob_width: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ..., prob_ids: _Optional[bytes] = ..., prob_values: _Optional[bytes] = ..., prob_width: _Optional[int] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("num_accepted", "bonus", "speculation")
