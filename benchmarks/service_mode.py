@@ -24,7 +24,8 @@ class ServiceMode:
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        self.deployment = launch(PairConfig(target_path, draft_path, k=k, port=0))
+        # fixed K, like the local ssd mode it is compared with
+        self.deployment = launch(PairConfig(target_path, draft_path, k=k, port=0, adaptive_k=False))
         self.client = SSDClient(self.deployment.address)
 
     def _counters(self) -> dict:

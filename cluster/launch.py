@@ -47,6 +47,8 @@ class PairConfig:
     max_num_seqs: int = 16
     max_queue: int = 64
     metrics_port: int | None = None  # Prometheus endpoint on the verifier's node (None: off)
+    adaptive_k: bool = True
+    backup_policy: str = "auto"
     use_gpu: bool | None = None  # None: GPUs if the cluster has at least two
     strategy: str = "PACK"
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
@@ -58,7 +60,8 @@ class PairConfig:
         return VerifierServerConfig(self.target_path, mode="ssd", k=self.k, budget=self.budget,
                                     saguaro_c=self.saguaro_c, dtype=self.dtype, device="auto", host=self.host,
                                     port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
-                                    metrics_port=self.metrics_port, **self.extra_verifier)
+                                    metrics_port=self.metrics_port, adaptive_k=self.adaptive_k,
+                                    backup_policy=self.backup_policy, **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)

@@ -110,7 +110,7 @@ class DrafterLoop:
             reqs.append(req)
             if hit:
                 specs.append(bundle.entries[ev.key])
-            elif self.drafter.jit_s_per_token * req.k < self.wait_fraction * ev.verify_s:
+            elif ev.jit and self.drafter.jit_s_per_token * req.k < self.wait_fraction * ev.verify_s:
                 specs.append(None)
                 misses.append(len(reqs) - 1)
             else:  # a just-in-time draft would be late: the verifier will use the backup, so build on it

@@ -127,7 +127,8 @@ def event_to_pb(ev: object) -> pb.DrafterEvent:
     if isinstance(ev, OutcomeEvent):
         return pb.DrafterEvent(outcome=pb.Outcome(
             request_id=ev.request_id, round=ev.round, verified_ids=pack_ids(ev.verified),
-            num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s))
+            num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s,
+            no_jit=not ev.jit))
     if isinstance(ev, FreeEvent):
         return pb.DrafterEvent(free=pb.Free(request_id=ev.request_id))
     raise TypeError(f"not a drafter event: {type(ev).__name__}")
@@ -144,7 +145,7 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
     if kind == "outcome":
         o = msg.outcome
         return OutcomeEvent(o.request_id, o.round, unpack_ids(o.verified_ids), o.num_accepted, o.bonus, o.next_k,
-                            verify_s=o.verify_s)
+                            verify_s=o.verify_s, jit=not o.no_jit)
     if kind == "free":
         return FreeEvent(msg.free.request_id)
     raise ValueError(f"unexpected drafter event {kind!r}")

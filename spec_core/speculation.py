@@ -56,6 +56,9 @@ class OutcomeEvent:
     next_k: int
     verify_s: float = 0.0
     sent_at: float = 0.0
+    #: False when the verifier will not wait for a just-in-time draft on a miss (its backup policy chose the fast
+    #: backup): the drafter then builds straight on the backup speculation.
+    jit: bool = True
 
     @property
     def key(self) -> tuple[int, int]:

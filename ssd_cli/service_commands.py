@@ -23,6 +23,11 @@ def add_parsers(sub) -> None:
     s.add_argument("--k", type=int, default=2, help="lookahead K (default 2, the best measured on CPU)")
     s.add_argument("--budget", type=int, default=None, help="pre-drafted branches per request (fan-out budget)")
     s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting C in (0, 1]")
+    s.add_argument("--fixed-k", action="store_true",
+                   help="always speculate K tokens (default: adaptive K per step, down to 0, from measured costs)")
+    s.add_argument("--backup-policy", choices=["auto", "neural", "fast"], default="auto",
+                   help="on a miss: wait for a just-in-time draft (neural), n-gram at once (fast), or by batch size "
+                        "from measured timings (auto, the paper's b*)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="requests batched per verify step")
     s.add_argument("--max-queue", type=int, default=64, help="admitted requests before RESOURCE_EXHAUSTED")
     s.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto",
@@ -67,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
                      max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                      use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
-                     metrics_port=args.metrics_port)
+                     metrics_port=args.metrics_port, adaptive_k=not args.fixed_k,
+                     backup_policy=args.backup_policy)
     cfg.verifier_config()  # validate before starting Ray
     if args.address:
         ray.init(address=args.address, logging_level=logging.WARNING)

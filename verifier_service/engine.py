@@ -88,6 +88,9 @@ class VerifierEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.drafter = drafter
         self.k = k if drafter is not None else 0
+        #: Optional :class:`verifier_service.adaptive.AdaptiveK`: K per request and step from measured costs.
+        self.adaptive = None
+        self._planned_k: dict[str, int] = {}
         self.metrics = EngineMetrics()
         self.req_stats: dict[str, DecodeStats] = {}
 
@@ -114,7 +117,16 @@ class VerifierEngine:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
-        return max(0, min(self.k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
+        k = self._planned_k.get(seq.request_id, self.k)
+        return max(0, min(k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
+
+    def _plan_k(self, seqs: list[Sequence]) -> None:
+        if self.adaptive is None:
+            return
+        stats = self.req_stats
+        self._planned_k = self.adaptive.plan({
+            s.request_id: (stats[s.request_id].num_accepted, stats[s.request_id].num_drafted,
+                           stats[s.request_id].num_rounds) for s in seqs})
 
     def _item(self, work: ScheduledSeq, tree: TokenTree | None) -> WorkItem:
         seq, c = work.seq, work.seq.num_computed
@@ -154,6 +166,7 @@ class VerifierEngine:
         trees: dict[str, TokenTree] = {}
         if self.drafter is not None and spec_work:
             seqs = [w.seq for w in spec_work]
+            self._plan_k(seqs)
             t_d = time.perf_counter()
             for seq, tree in zip(seqs, self.drafter.propose(seqs, [self._k_for(s) for s in seqs])):
                 trees[seq.request_id] = tree
@@ -167,6 +180,8 @@ class VerifierEngine:
             time.sleep(self.config.verify_delay_s)
         forward_s = time.perf_counter() - t_f
         self.metrics.forward_s += forward_s
+        if self.adaptive is not None:
+            self.adaptive.cost.observe(sum(len(it.token_ids) for it in items), forward_s)
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s)
         finished = []

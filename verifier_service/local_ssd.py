@@ -35,6 +35,9 @@ class LocalSSDConfig:
     tree_delay_s: float = 0.0
     verify_delay_s: float = 0.0
     wait_fraction: float = 0.5
+    backup_policy: str = "auto"
+    #: K per step and request from measured costs (down to 0); off: always ``ssd.k``.
+    adaptive_k: bool = False
 
 
 class LocalSSD:
@@ -61,11 +64,16 @@ class LocalSSD:
             self._old_affinity = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cfg.verifier_core})
         torch.set_num_threads(1)
-        proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction)
+        proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction,
+                               backup_policy=cfg.backup_policy)
         sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.k)
         self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
                                                                verify_delay_s=cfg.verify_delay_s),
                                      drafter=proposer, k=cfg.ssd.k)
+        if cfg.adaptive_k:
+            from verifier_service.adaptive import AdaptiveK
+
+            self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
         return self
 
     @property

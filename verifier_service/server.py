@@ -51,6 +51,9 @@ class VerifierServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     drain_grace_s: float = 30.0
+    backup_policy: str = "auto"
+    #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
+    adaptive_k: bool = True
     #: Prometheus exposition port (None: off; 0: any free port).
     metrics_port: int | None = None
 
@@ -143,6 +146,10 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             json=json.dumps(stats))
 
 
+def c_k(config: VerifierServerConfig) -> int:
+    return config.k if config.mode != "ar" else 0
+
+
 def _failure_code(ev: Failed) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL if ev.message.startswith("internal error") else grpc.StatusCode.INVALID_ARGUMENT
 
@@ -198,15 +205,20 @@ class VerifierServer:
                 raise ValueError("mode ssd needs a drafter address")
             self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size)
             proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
-                                   wait_fraction=c.wait_fraction)
+                                   wait_fraction=c.wait_fraction, backup_policy=c.backup_policy)
         elif c.mode == "sd":
             from drafter_service.draft_engine import BatchDrafter, DraftConfig
 
             proposer = BatchDrafter(self.pair.draft, DraftConfig(k=c.k, num_blocks=c.num_blocks,
                                                                  block_size=c.block_size))
         sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_spec_nodes=max(1, c.k * branching))
-        return VerifierEngine(self.pair.target, EngineConfig(c.num_blocks, c.block_size, sched), drafter=proposer,
-                              k=c.k if proposer is not None else 0)
+        engine = VerifierEngine(self.pair.target, EngineConfig(c.num_blocks, c.block_size, sched), drafter=proposer,
+                                k=c.k if proposer is not None else 0)
+        if c.adaptive_k and proposer is not None:
+            from verifier_service.adaptive import AdaptiveK
+
+            engine.adaptive = AdaptiveK(k_max=c.k)
+        return engine
 
     def start(self, drafter_address: str | None = None) -> str:
         engine = self._build_engine(drafter_address)
@@ -266,13 +278,18 @@ class VerifierServer:
                    acceptance_rate=m.acceptance_rate,
                    mean_tokens_per_round=(m.num_accepted / m.num_rounds + 1) if m.num_rounds else None,
                    acceptance_by_position=m.acceptance_by_position(), admitted=loop.num_admitted,
-                   engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s)
+                   engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s,
+                   batch_k=eng.adaptive.batch_k if eng.adaptive is not None else c_k(self.config))
         proposer = eng.drafter
         if self.config.mode == "ssd" and proposer is not None:
             s = proposer.stats
             step_s = eng.metrics.step_s
             out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,
-                       backup_rounds=s.backup, verifier_wait_s=s.wait_s,
+                       backup_rounds=s.backup, verifier_wait_s=s.wait_s, accepted_histogram=list(s.accepted_hist),
+                       tokens_per_round_on_hit=s.tokens_on_hit / s.hit_rounds if s.hit_rounds else None,
+                       tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
+                                                 if s.jit_rounds + s.backup_rounds else None),
+                       fast_backup_steps=s.fast_backup_steps,
                        verifier_wait_fraction=s.wait_s / step_s if step_s > 0 else None)
         if self.link is not None:
             out.update(link_bytes_sent=self.link.bytes_sent, link_bytes_received=self.link.bytes_received,

@@ -39,6 +39,15 @@ class SSDStats:
     tokens_on_hit: int = 0
     tokens_on_miss: int = 0
     hit_rounds: int = 0
+    jit_rounds: int = 0
+    tokens_on_jit: int = 0
+    backup_rounds: int = 0
+    tokens_on_backup: int = 0
+    jit_wait_s: float = 0.0
+    #: Histogram of accepted tokens per speculating round: accepted_hist[j] = rounds that accepted j tokens.
+    accepted_hist: list[int] = field(default_factory=list)
+    #: Steps on which the backup policy chose the fast (n-gram) backup instead of waiting for a JIT draft.
+    fast_backup_steps: int = 0
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -52,6 +61,7 @@ class _ReqState:
     last_key: tuple[int, int] | None = None
     verify_end: float = 0.0
     used_hit: bool = False
+    source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
     bundles: dict[int, BranchBundle] = field(default_factory=dict)
     jit: dict[int, Speculation] = field(default_factory=dict)
 
@@ -60,10 +70,17 @@ class SSDProposer:
     """Implements the engine's proposer interface (``propose``, ``commit``, ``release``) over a drafter link."""
 
     def __init__(self, link, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
-                 backup_greedy_match: bool = False) -> None:
-        """``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
+                 backup_greedy_match: bool = False, backup_policy: str = "auto") -> None:
+        """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
+        verify), ``fast`` uses the n-gram backup at once, ``auto`` picks per step by batch size from measured
+        timings (the paper's b*, :func:`drafter_service.policy.choose_backup`).
+        ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
         if backup not in ("ngram", "none"):
             raise ValueError(f"backup must be 'ngram' or 'none', got {backup!r}")
+        if backup_policy not in ("auto", "neural", "fast"):
+            raise ValueError(f"backup_policy must be auto, neural or fast, got {backup_policy!r}")
+        self.backup_policy = backup_policy
+        self.jit_allowed = backup_policy != "fast"
         self.link = link
         self.vocab_size = vocab_size
         self.backup = backup
@@ -119,7 +136,11 @@ class SSDProposer:
                 waiting.append(seq)
             specs[seq.request_id] = spec
             st.used_hit = hit
-        if waiting and getattr(self.link, "alive", True):  # a dead drafter link: straight to the backup
+            st.source = "hit" if hit else ("jit" if spec is not None else "backup")
+        self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
+        if not self.jit_allowed:
+            self.stats.fast_backup_steps += 1
+        if waiting and self.jit_allowed and getattr(self.link, "alive", True):  # dead link: straight to backup
             deadline = time.perf_counter() + self.wait_fraction * self.verify_s_ema
             t0 = time.perf_counter()
             while waiting and time.perf_counter() < deadline:
@@ -132,8 +153,10 @@ class SSDProposer:
                     else:
                         specs[seq.request_id] = spec
                         self.stats.jit += 1
+                        self.state[seq.request_id].source = "jit"
                 waiting = still
             self.stats.wait_s += time.perf_counter() - t0
+            self.stats.jit_wait_s += time.perf_counter() - t0
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
         flush = getattr(self.link, "flush", None)
         if flush is not None:  # transports that batch sends deliver them now, before the verify
@@ -167,17 +190,44 @@ class SSDProposer:
         accepted = [tree.token_ids[i] for i in path]
         if st.round > 0 and tree.num_nodes:
             tokens = len(accepted) + 1
+            s = self.stats
+            while len(s.accepted_hist) <= len(accepted):
+                s.accepted_hist.append(0)
+            s.accepted_hist[len(accepted)] += 1
             if st.used_hit:
-                self.stats.hit_rounds += 1
-                self.stats.tokens_on_hit += tokens
+                s.hit_rounds += 1
+                s.tokens_on_hit += tokens
             else:
-                self.stats.tokens_on_miss += tokens
+                s.tokens_on_miss += tokens
+                if st.source == "jit":
+                    s.jit_rounds += 1
+                    s.tokens_on_jit += tokens
+                else:
+                    s.backup_rounds += 1
+                    s.tokens_on_backup += tokens
         if not seq.finished and len(seq.token_ids) > n + len(path):
             bonus = seq.token_ids[n + len(path)]
             self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus, next_k,
-                                        verify_s=self.verify_s_ema, sent_at=now))
+                                        verify_s=self.verify_s_ema, sent_at=now, jit=self.jit_allowed))
             st.last_key = (len(accepted), bonus)
         st.round += 1
+
+    def choose_backup(self, b: int) -> str:
+        """'neural' (wait for a JIT draft on a miss) or 'fast' (n-gram at once) for a step of ``b`` requests."""
+        if self.backup_policy != "auto":
+            return self.backup_policy
+        from drafter_service.policy import BackupCost, choose_backup
+
+        s = self.stats
+        if s.rounds < 8:
+            return "neural"
+        p_hit = s.hits / s.rounds
+        e_hit = s.tokens_on_hit / s.hit_rounds if s.hit_rounds else 1.0
+        e_jit = s.tokens_on_jit / s.jit_rounds if s.jit_rounds else e_hit
+        e_fast = s.tokens_on_backup / s.backup_rounds if s.backup_rounds else 1.0
+        t_jit = (s.jit_wait_s / s.jit_rounds / self.verify_s_ema) if s.jit_rounds else self.wait_fraction
+        return choose_backup(b, p_hit, max(e_hit, 1e-3), BackupCost(max(e_jit, 1e-3), min(t_jit, 10.0)),
+                             BackupCost(max(e_fast, 1e-3), 0.0), t_p=1.0)
 
     def observe_verify_time(self, seconds: float) -> None:
         self.verify_s_ema = 0.8 * self.verify_s_ema + 0.2 * seconds

@@ -177,7 +177,7 @@ class Prefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., params: _Optional[_Union[SamplingSpec, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s")
+    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class Outcome(_message.Message):
     BONUS_FIELD_NUMBER: _ClassVar[int]
     NEXT_K_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    NO_JIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     verified_ids: bytes
@@ -192,7 +193,8 @@ class Outcome(_message.Message):
     bonus: int
     next_k: int
     verify_s: float
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    no_jit: bool
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("request_id",)

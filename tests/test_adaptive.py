@@ -1,0 +1,99 @@
+"""Adaptive K (down to 0) and the automatic backup choice, as units and wired into the SSD loop."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from drafter_service.fanout import FanoutConfig
+from drafter_service.ssd_drafter import SSDConfig
+from spec_core.config import SamplingParams
+from spec_core.decoding import generate_ar
+from spec_core.runner import ModelRunner
+from spec_core.sequence import Sequence
+from verifier_service.adaptive import AdaptiveK, LinearCost
+from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
+from verifier_service.ssd_proposer import SSDProposer
+
+
+class FixedCost(LinearCost):
+    """T(n) = t0 + t1·n, ignoring observations (a test's injected cost model)."""
+
+    def __init__(self, t0: float, t1: float) -> None:
+        super().__init__()
+        self.t0, self.t1 = t0, t1
+
+    def observe(self, n: int, seconds: float) -> None:
+        pass
+
+    def coefficients(self):
+        return self.t0, self.t1
+
+
+def test_linear_cost_recovers_the_fit() -> None:
+    cost = LinearCost()
+    for n in (1, 3, 5, 9, 17, 2, 6, 40):
+        cost.observe(n, 0.004 + 0.0005 * n)
+    t0, t1 = cost.coefficients()
+    assert t0 == pytest.approx(0.004, rel=1e-6) and t1 == pytest.approx(0.0005, rel=1e-6)
+    assert LinearCost().coefficients() is None
+
+
+def test_k_falls_to_zero_when_speculation_does_not_pay() -> None:
+    cheap = AdaptiveK(k_max=5, cost=FixedCost(0.01, 0.0001))
+    plan = cheap.plan({"a": (90, 100, 20)})
+    assert plan == {"a": 5} and cheap.batch_k == 5
+    # expensive verification (large batch on a compute-bound target) and low acceptance: plain decoding
+    costly = AdaptiveK(k_max=5, cost=FixedCost(0.001, 0.01))
+    plan = costly.plan({f"r{i}": (10, 100, 7) for i in range(16)})
+    assert costly.batch_k == 0 and set(plan.values()) == {0}
+    # per request: a predictable request keeps speculating, a hopeless one falls to 0 (then re-probes)
+    mid = AdaptiveK(k_max=5, cost=FixedCost(0.01, 0.002))
+    plan = mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 21)})
+    assert plan["easy"] > 0 and plan["hard"] == 0
+    assert mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 32)})["hard"] == 1
+
+
+def test_backup_choice_flips_at_b_star() -> None:
+    prop = SSDProposer(link=None, vocab_size=10, backup_policy="auto")
+    s = prop.stats
+    s.rounds, s.hits = 100, 80
+    s.hit_rounds, s.tokens_on_hit = 80, 240
+    s.jit_rounds, s.tokens_on_jit, s.jit_wait_s = 20, 60, 20 * 0.4 * 0.01  # JIT costs 0.4 verify
+    s.backup_rounds, s.tokens_on_backup = 10, 15
+    prop.verify_s_ema = 0.01
+    choices = {b: prop.choose_backup(b) for b in (1, 2, 4, 8, 16, 32, 64)}
+    assert choices[1] == "neural" and choices[64] == "fast"
+    flip = min(b for b, c in choices.items() if c == "fast")
+    assert all(c == "neural" for b, c in choices.items() if b < flip)
+    assert all(c == "fast" for b, c in choices.items() if b >= flip)
+    # a cheaper JIT (injected) moves b* up
+    s.jit_wait_s = 20 * 0.05 * 0.01
+    assert prop.choose_backup(flip) == "neural"
+    assert SSDProposer(link=None, vocab_size=10, backup_policy="fast").choose_backup(1) == "fast"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_count() < 2, reason="needs two cores")
+def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
+    target = ModelRunner(tiny_models["llama"])
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    refs = []
+    for p in prompts:
+        seq = Sequence("ref", p, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        generate_ar(target, seq)
+        refs.append(seq.output_ids)
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
+                         max_num_seqs=2, adaptive_k=True)
+    with LocalSSD(target, cfg) as ssd:
+        # an injected cost model under which speculation does not pay: K drops to 0 (with periodic probes)
+        ssd.engine.adaptive.cost = FixedCost(0.001, 0.01)
+        ssd.engine.adaptive.prior_a = 0.2
+        seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
+        for s in seqs:
+            ssd.engine.add(s)
+        ssd.engine.run()
+        ssd.engine.blocks.check_all_free()
+        assert [s.output_ids for s in seqs] == refs
+        speculating_rounds = ssd.proposer.stats.rounds
+        assert ssd.engine.metrics.num_steps - 1 > speculating_rounds  # some steps ran with K = 0

@@ -1,0 +1,96 @@
+"""Adaptive speculation: pick K per step (for the batch) and per request from measured costs, down to 0.
+
+Cost model: the verifier's forward time is fitted online as T(n) = t0 + t1·n over the tokens n of each step
+(exponentially weighted least squares, so it follows load changes). With b requests in a step,
+V(K) = T(b·(K+1)) / T(b) is the cost of verifying K drafted tokens per request relative to plain decoding, and
+:func:`drafter_service.policy.best_k` maximises E(a, K) / (V(K) + K·c) over K in 0..k_max, where ``c`` is the
+drafting cost per token in units of T(b) (0 for SSD, whose drafter runs on its own device). Acceptance ``a`` is
+estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. K = 0 means plain
+decoding for that request; it re-probes speculation every ``probe_every`` rounds so a request whose text turns
+predictable gets K back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from drafter_service.policy import best_k
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LinearCost:
+    """Exponentially weighted least squares fit of step time against tokens per step."""
+
+    decay: float = 0.98
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + n, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(t0, t1), or None until the observations span more than one step size."""
+        if self.sw < 2:
+            return None
+        var = self.sxx / self.sw - (self.sx / self.sw) ** 2
+        if var <= 1e-9:
+            return None
+        t1 = (self.sxy / self.sw - self.sx * self.sy / self.sw**2) / var
+        t0 = self.sy / self.sw - t1 * self.sx / self.sw
+        return max(t0, 1e-6), max(t1, 0.0)
+
+    def time(self, n: int) -> float | None:
+        c = self.coefficients()
+        return None if c is None else c[0] + c[1] * n
+
+
+@dataclass(slots=True)
+class AdaptiveK:
+    k_max: int
+    draft_cost: float = 0.0  # c: drafting time per token / T(batch); 0 when the drafter has its own device
+    prior_a: float = 0.7
+    prior_weight: float = 8.0
+    probe_every: int = 16
+    cost: LinearCost | None = None
+    batch_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cost is None:
+            self.cost = LinearCost()
+        self.batch_k = self.k_max
+
+    def acceptance(self, num_accepted: int, num_drafted: int) -> float:
+        return (num_accepted + self.prior_a * self.prior_weight) / (num_drafted + self.prior_weight)
+
+    def _v(self, b: int):
+        t_b = self.cost.time(b)
+        if t_b is None:
+            return None
+        return lambda k: self.cost.time(b * (k + 1)) / t_b
+
+    def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
+        """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
+        b = max(1, len(accept))
+        v = self._v(b)
+        if v is None:  # no cost data yet: speculate fully (and learn)
+            self.batch_k = self.k_max
+            return {rid: self.k_max for rid in accept}
+        rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
+        mean_a = sum(rates.values()) / len(rates) if rates else self.prior_a
+        self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
+        out = {}
+        for rid, a in rates.items():
+            k = best_k(min(a, 1.0), self.draft_cost, v, self.batch_k) if self.batch_k else 0
+            rounds = accept[rid][2]
+            if k == 0 and self.k_max and rounds % self.probe_every == 0:
+                k = 1  # re-probe: acceptance estimates need drafted tokens to move
+            out[rid] = k
+        return out
