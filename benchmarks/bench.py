@@ -42,6 +42,9 @@ class BenchSettings:
     ignore_eos: bool
     target_threads: int
     concurrency: tuple[int, ...] = (1,)
+    budget: int = 12
+    saguaro_c: float = 1.0
+    sweep: tuple[str, ...] = ()
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -58,8 +61,13 @@ class BenchSettings:
             num_prompts, max_new = min(num_prompts, 3), min(max_new, 16)
         if num_prompts <= 0 or max_new <= 0 or args.repeats <= 0:
             raise ValueError("--num-prompts, --max-new-tokens and --repeats must be > 0")
+        sweep = tuple(d.strip() for d in (getattr(args, "sweep", None) or "").split(",") if d.strip())
+        bad = [d for d in sweep if d not in ("k", "budget", "c")]
+        if bad:
+            raise ValueError(f"--sweep takes k, budget and/or c, got {', '.join(bad)}")
         return BenchSettings(modes, num_prompts, max_new, args.k, args.repeats, temps, args.prompts,
-                             args.ignore_eos, args.target_threads)
+                             args.ignore_eos, args.target_threads, budget=getattr(args, "budget", 12),
+                             saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep)
 
 
 def hardware_info() -> dict:
@@ -174,7 +182,10 @@ class ModeRunner:
             from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
 
             pair = self.gen.pair
-            self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, SSDConfig(k=settings.k)),
+            from drafter_service.fanout import FanoutConfig
+
+            ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c)
+            self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
                                       eos_ids=pair.eos_ids).__enter__()
         self.service = None
         if "ssd-service" in settings.modes:
@@ -210,17 +221,19 @@ class ModeRunner:
                                 stats=stats, ttft_s=ttft, emit_times=[])
 
 
-def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> dict:
+def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
+              summary: bool = True) -> dict:
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
     set_threads(settings.target_threads)
     runner = ModeRunner(settings, target, draft)
     try:
-        return _run_all(settings, runner, target, draft)
+        return _run_all(settings, runner, target, draft, summary)
     finally:
         runner.close()
 
 
-def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None) -> dict:
+def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None,
+             summary: bool = True) -> dict:
     gen = runner.gen
     prompts = _prompts(settings)
     for mode in settings.modes:  # warm-up
@@ -261,7 +274,8 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
         "results": results,
     }
-    print_summary(report)
+    if summary:
+        print_summary(report)
     return report
 
 

@@ -167,7 +167,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks.bench import BenchSettings, run_bench
 
     settings = BenchSettings.from_args(args)
-    report = run_bench(settings, *_model_configs(args, need_draft=True))
+    if settings.sweep:
+        from benchmarks.sweep import run_sweep
+
+        report = {"sweep": run_sweep(settings, *_model_configs(args, need_draft=True))}
+    else:
+        report = run_bench(settings, *_model_configs(args, need_draft=True))
     if args.out:
         import json
 

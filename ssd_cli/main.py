@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a few prompts and tokens (CI)")
     b.add_argument("--out", help="write results JSON here")
     b.add_argument("--target-threads", type=int, default=1)
+    b.add_argument("--budget", type=int, default=12, help="SSD fan-out budget (pre-drafted branches per request)")
+    b.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro down-weighting C in (0, 1]")
+    b.add_argument("--sweep", help="k,budget,c: find the best K (1-8, SD and SSD), budget and Saguaro C")
     _add_model_flags(b)
 
     bv = sub.add_parser("bench-verifier", help="verifier tokens/s at several batch sizes, chain and tree")

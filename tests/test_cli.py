@@ -92,6 +92,20 @@ def test_bench_quick_schema(tmp_path):
     assert modes == {"ar", "sd"}
 
 
+def test_bench_sweep_reports_the_best_budget(tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = ssd("bench", "--quick", "--num-prompts", "1", "--max-new-tokens", "8", "--modes", "ssd", "--k", "2",
+               "--sweep", "budget", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [r["budget"] for r in sweep["budget"]] == [4, 8, 12, 16, 24]
+    assert all(r["matches_target_greedy"] is True for r in sweep["budget"])
+    best = max(sweep["budget"], key=lambda r: r["tokens_per_s"])
+    assert sweep["best_budget"] == best["budget"]
+    bad = ssd("bench", "--quick", "--sweep", "k,temperature")
+    assert bad.returncode == 2 and "--sweep" in bad.stderr
+
+
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
