@@ -61,12 +61,19 @@ class BenchSettings:
             num_prompts, max_new = min(num_prompts, 3), min(max_new, 16)
         if num_prompts <= 0 or max_new <= 0 or args.repeats <= 0:
             raise ValueError("--num-prompts, --max-new-tokens and --repeats must be > 0")
+        try:
+            conc = tuple(int(c) for c in str(getattr(args, "concurrency", "1")).split(","))
+        except ValueError:
+            raise ValueError(f"--concurrency must be comma-separated integers, got {args.concurrency!r}") from None
+        if any(c < 1 for c in conc):
+            raise ValueError("--concurrency values must be >= 1")
         sweep = tuple(d.strip() for d in (getattr(args, "sweep", None) or "").split(",") if d.strip())
         bad = [d for d in sweep if d not in ("k", "budget", "c")]
         if bad:
             raise ValueError(f"--sweep takes k, budget and/or c, got {', '.join(bad)}")
         return BenchSettings(modes, num_prompts, max_new, args.k, args.repeats, temps, args.prompts,
-                             args.ignore_eos, args.target_threads, budget=getattr(args, "budget", 12),
+                             args.ignore_eos, args.target_threads, concurrency=conc,
+                             budget=getattr(args, "budget", 12),
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep)
 
 
@@ -266,8 +273,11 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                 reference = {(pi, rep): gen.generate(p, SamplingParams(max_new_tokens=settings.max_new_tokens,
                                                                        ignore_eos=settings.ignore_eos), mode="ar").token_ids
                              for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
-        results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
-                       for m in settings.modes)
+        if 1 in settings.concurrency:
+            results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
+                           for m in settings.modes)
+        for c in (c for c in settings.concurrency if c > 1):
+            results.extend(_run_concurrency(settings, runner, prompts, temp, c, reference))
     report = {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
@@ -279,15 +289,61 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     return report
 
 
+BATCHED_MODES = ("ar", "sd", "ssd")
+
+
+def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[str], temp: float, c: int,
+                     reference: dict) -> list[dict]:
+    """Every batched mode at concurrency ``c`` over all prompts (repeats rotate the mode order)."""
+    from benchmarks.concurrent import run_concurrent
+
+    modes = [m for m in settings.modes if m in BATCHED_MODES]
+    ids = [runner.gen.encode(p) for p in prompts]
+    acc: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(settings.repeats):
+        params = [SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
+                                 ignore_eos=settings.ignore_eos, seed=1000 * pi + rep) for pi in range(len(prompts))]
+        for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
+            acc[mode].append(run_concurrent(runner.gen.pair, mode, ids, params, settings.k, c, runner.local_ssd))
+        sys.stderr.write(f"\rbench T={temp} concurrency {c}: pass {rep + 1}/{settings.repeats}")
+    sys.stderr.write("\n")
+    rows = []
+    for mode, runs in acc.items():
+        tps = [r["tokens_per_s"] for r in runs]
+        itls = [x for r in runs for x in r["itls"]]
+        matches = None
+        if temp == 0 and reference:
+            matches = all(r["outputs"][pi] == reference[(pi, 0)] for r in runs for pi in range(len(prompts)))
+        rows.append({
+            "mode": mode, "concurrency": c, "temperature": temp,
+            "tokens_per_s": statistics.median(tps), "tokens_per_s_median_run": statistics.median(tps),
+            "tokens_per_s_min_run": min(tps), "tokens_per_s_max_run": max(tps),
+            "ttft_s_p50": _percentile([x for r in runs for x in r["ttfts"]], 50),
+            "itl_s_p50": _percentile(itls, 50), "itl_s_p99": _percentile(itls, 99),
+            "mean_tokens_per_round": _mean([r["mean_tokens_per_round"] for r in runs if r["mean_tokens_per_round"]]),
+            "acceptance_rate": _mean([r["acceptance_rate"] for r in runs if r["acceptance_rate"] is not None]),
+            "acceptance_by_position": None,
+            "cache_hit_rate": _mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
+            "verifier_idle_fraction": None, "link_bytes_per_round": None,
+            "batching": f"continuous batching, {c} in flight", "num_runs": len(runs),
+            "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,
+            "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        })
+    return rows
+
+
 def print_summary(report: dict) -> None:
     out = sys.stdout
-    out.write(f"{'mode':<12}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}{'greedy=AR':>11}\n")
-    base = {r["temperature"]: r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
+    out.write(f"{'mode':<12}{'conc':>5}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}"
+              f"{'hit':>6}{'greedy=AR':>11}\n")
+    base = {(r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
     for r in report["results"]:
-        ratio = r["tokens_per_s"] / base[r["temperature"]] if base.get(r["temperature"]) else None
-        acc = r["acceptance_rate"]
+        b = base.get((r["temperature"], r["concurrency"]))
+        ratio = r["tokens_per_s"] / b if b and r["tokens_per_s"] else None
+        acc, hit = r["acceptance_rate"], r["cache_hit_rate"]
         out.write(
-            f"{r['mode']:<12}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
+            f"{r['mode']:<12}{r['concurrency']:>5}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
             f"{(f'{ratio:.2f}' if ratio else '-'):>7}{r['mean_tokens_per_round'] or 0:>11.2f}"
-            f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{str(r['matches_target_greedy']):>11}\n"
+            f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{(f'{hit:.2f}' if hit is not None else '-'):>6}"
+            f"{str(r['matches_target_greedy']):>11}\n"
         )

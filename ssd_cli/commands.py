@@ -173,6 +173,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = {"sweep": run_sweep(settings, *_model_configs(args, need_draft=True))}
     else:
         report = run_bench(settings, *_model_configs(args, need_draft=True))
+        if args.plots:
+            from benchmarks.plots import write_plots
+
+            for path in write_plots(report, args.plots):
+                sys.stderr.write(f"wrote {path}\n")
     if args.out:
         import json
 

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--k", type=int, default=5)
     b.add_argument("--repeats", type=int, default=1, help="passes over the prompts (interleaved by prompt)")
     b.add_argument("--temperatures", default="0")
+    b.add_argument("--concurrency", default="1", help="comma-separated requests in flight, e.g. 1,4,16 "
+                   "(ar/sd/ssd; the hf modes run batch 1 only)")
+    b.add_argument("--plots", help="write PNG plots (tokens/s by mode and concurrency; acceptance by position) here")
     b.add_argument("--prompts", help='JSONL file of {"prompt": ...} (default: HumanEval prompts)')
     b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     b.add_argument("--quick", action="store_true", help="a few prompts and tokens (CI)")

@@ -77,7 +77,8 @@ def test_missing_prompt_and_file():
 
 def test_bench_quick_schema(tmp_path):
     out = tmp_path / "bench.json"
-    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--out", str(out))
+    plots = tmp_path / "plots"
+    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"hardware", "settings", "results"}
@@ -88,8 +89,9 @@ def test_bench_quick_schema(tmp_path):
         assert required <= set(row), required - set(row)
         assert row["tokens_per_s"] > 0
         assert row["matches_target_greedy"] is True
-        modes.add(row["mode"])
-    assert modes == {"ar", "sd"}
+        modes.add((row["mode"], row["concurrency"]))
+    assert modes == {("ar", 1), ("sd", 1), ("ar", 2), ("sd", 2)}
+    assert sorted(p.name for p in plots.iterdir()) == ["acceptance_and_hits.png", "tokens_per_s_T0.png"]
 
 
 def test_bench_sweep_reports_the_best_budget(tmp_path):
