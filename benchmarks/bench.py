@@ -27,7 +27,10 @@ from spec_core.prompts import humaneval_prompts, read_prompt_file
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted")
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "sd-2t",
+               "hf-generate-2t")
+#: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
+TWO_THREAD_MODES = {"sd-2t": "sd", "hf-generate-2t": "hf-generate"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,7 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "itl_s_p99": _percentile(runs.itls, 99),
         "mean_tokens_per_round": s.mean_tokens_per_round if mode != "ar" else 1.0,
         "batching": "batch 1" if mode.startswith("hf") else None,
+        "target_threads": 2 if mode in TWO_THREAD_MODES else None,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_by_position": s.acceptance_by_position() if mode != "ar" else None,
         "cache_hit_rate": _mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
@@ -174,14 +178,20 @@ class ModeRunner:
 
     def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> None:
         self.gen = Generator(target, draft, k=settings.k)
+        self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.threads = settings.target_threads
         self.hf: dict[str, object] = {}
-        if "hf-generate" in settings.modes or "hf-assisted" in settings.modes:
+        self.assistant_tokens: int | None = None
+        modes = set(settings.modes)
+        if modes & {"hf-generate", "hf-generate-2t", "hf-assisted", "hf-assisted-tuned"}:
             from benchmarks.hf_baselines import HFGenerate
 
-            if "hf-generate" in settings.modes:
+            if modes & {"hf-generate", "hf-generate-2t"}:
                 self.hf["hf-generate"] = HFGenerate(target.path)
-            if "hf-assisted" in settings.modes:
+            if "hf-assisted" in modes:
                 self.hf["hf-assisted"] = HFGenerate(target.path, draft.path if draft else None)
+            if "hf-assisted-tuned" in modes:
+                self.hf["hf-assisted-tuned"] = HFGenerate(target.path, draft.path if draft else None)
 
         self.local_ssd = None
         if "ssd" in settings.modes:
@@ -207,7 +217,27 @@ class ModeRunner:
         if self.service is not None:
             self.service.close()
 
+    def tune_assistant(self, prompts: list[str], settings: BenchSettings) -> None:
+        """hf-assisted-tuned: pick num_assistant_tokens in 1..8 by tokens/s on the first two prompts."""
+        hf = self.hf.get("hf-assisted-tuned")
+        if hf is None:
+            return
+        params = SamplingParams(max_new_tokens=settings.max_new_tokens, ignore_eos=settings.ignore_eos)
+        best, best_tps = 1, -1.0
+        for n in range(1, 9):
+            hf.set_assistant_tokens(n)
+            stats = DecodeStats()
+            for p in prompts[:2]:
+                stats.merge(hf.generate(self.gen.encode(p), params)[1])
+            if (stats.tokens_per_s or 0) > best_tps:
+                best, best_tps = n, stats.tokens_per_s or 0
+        hf.set_assistant_tokens(best)
+        self.assistant_tokens = best
+        logger.info("hf-assisted-tuned: num_assistant_tokens=%d (%.1f tok/s while tuning)", best, best_tps)
+
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        if mode in TWO_THREAD_MODES:
+            return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
         if mode == "ssd-service":
             result, extra = self.service.run(prompt, params)
             self.ssd_extra[mode].append(extra)
@@ -222,6 +252,23 @@ class ModeRunner:
                                     list(seq.emit_times))
         if mode not in self.hf:
             return self.gen.generate(prompt, params, mode=mode)
+        return self._hf(mode, prompt, params)
+
+    def _two_threads(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        """Run ``mode`` with torch on 2 threads over every core this process may use (equal hardware)."""
+        pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
+        try:
+            if self.all_cores is not None:
+                os.sched_setaffinity(0, self.all_cores)
+            torch.set_num_threads(2)
+            res = self.gen.generate(prompt, params, mode=mode) if mode not in self.hf else self._hf(mode, prompt, params)
+        finally:
+            torch.set_num_threads(self.threads)
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
+        return res
+
+    def _hf(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         ids = self.gen.encode(prompt)
         tokens, stats, ttft = self.hf[mode].generate(ids, params)
         return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
@@ -245,6 +292,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     prompts = _prompts(settings)
     for mode in settings.modes:  # warm-up
         runner.run(mode, prompts[0], SamplingParams(max_new_tokens=4))
+    runner.tune_assistant(prompts, settings)
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in settings.modes}
@@ -281,6 +329,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     report = {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
+                     "hf_assisted_tuned_num_assistant_tokens": runner.assistant_tokens,
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
         "results": results,
     }
@@ -334,7 +383,7 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
 
 def print_summary(report: dict) -> None:
     out = sys.stdout
-    out.write(f"{'mode':<12}{'conc':>5}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}"
+    out.write(f"{'mode':<18}{'conc':>5}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}"
               f"{'hit':>6}{'greedy=AR':>11}\n")
     base = {(r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
     for r in report["results"]:
@@ -342,7 +391,7 @@ def print_summary(report: dict) -> None:
         ratio = r["tokens_per_s"] / b if b and r["tokens_per_s"] else None
         acc, hit = r["acceptance_rate"], r["cache_hit_rate"]
         out.write(
-            f"{r['mode']:<12}{r['concurrency']:>5}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
+            f"{r['mode']:<18}{r['concurrency']:>5}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
             f"{(f'{ratio:.2f}' if ratio else '-'):>7}{r['mean_tokens_per_round'] or 0:>11.2f}"
             f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{(f'{hit:.2f}' if hit is not None else '-'):>6}"
             f"{str(r['matches_target_greedy']):>11}\n"

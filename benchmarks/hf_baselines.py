@@ -38,8 +38,13 @@ class HFGenerate:
         self.model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
         self.assistant = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
                           if draft_path else None)
-        if self.assistant is not None and num_assistant_tokens is not None:
-            self.assistant.generation_config.num_assistant_tokens = num_assistant_tokens
+        if num_assistant_tokens is not None:
+            self.set_assistant_tokens(num_assistant_tokens)
+
+    def set_assistant_tokens(self, n: int) -> None:
+        """A constant number of draft tokens per round (transformers' default is a heuristic schedule from 20)."""
+        if self.assistant is not None:
+            self.assistant.generation_config.num_assistant_tokens = n
             self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
 
     @torch.inference_mode()

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(ar/sd/ssd; the hf modes run batch 1 only)")
     b.add_argument("--plots", help="write PNG plots (tokens/s by mode and concurrency; acceptance by position) here")
     b.add_argument("--prompts", help='JSONL file of {"prompt": ...} (default: HumanEval prompts)')
+    b.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
+                   help="generate exactly --max-new-tokens (the default for benchmarks)")
     b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     b.add_argument("--quick", action="store_true", help="a few prompts and tokens (CI)")
     b.add_argument("--out", help="write results JSON here")
