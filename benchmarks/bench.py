@@ -48,6 +48,7 @@ class BenchSettings:
     budget: int = 12
     saguaro_c: float = 1.0
     sweep: tuple[str, ...] = ()
+    sd_k: int | None = None  # SD's own K (default: k), so each mode can run at its best K
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -77,7 +78,7 @@ class BenchSettings:
         return BenchSettings(modes, num_prompts, max_new, args.k, args.repeats, temps, args.prompts,
                              args.ignore_eos, args.target_threads, concurrency=conc,
                              budget=getattr(args, "budget", 12),
-                             saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep)
+                             saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None))
 
 
 def hardware_info() -> dict:
@@ -180,6 +181,7 @@ class ModeRunner:
         self.gen = Generator(target, draft, k=settings.k)
         self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.threads = settings.target_threads
+        self.sd_k = settings.sd_k or settings.k
         self.hf: dict[str, object] = {}
         self.assistant_tokens: int | None = None
         modes = set(settings.modes)
@@ -251,7 +253,7 @@ class ModeRunner:
             return GenerationResult("ssd", ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
                                     list(seq.emit_times))
         if mode not in self.hf:
-            return self.gen.generate(prompt, params, mode=mode)
+            return self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
         return self._hf(mode, prompt, params)
 
     def _two_threads(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
@@ -261,7 +263,8 @@ class ModeRunner:
             if self.all_cores is not None:
                 os.sched_setaffinity(0, self.all_cores)
             torch.set_num_threads(2)
-            res = self.gen.generate(prompt, params, mode=mode) if mode not in self.hf else self._hf(mode, prompt, params)
+            res = (self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
+                   if mode not in self.hf else self._hf(mode, prompt, params))
         finally:
             torch.set_num_threads(self.threads)
             if pinned is not None:
@@ -353,7 +356,8 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
         params = [SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
                                  ignore_eos=settings.ignore_eos, seed=1000 * pi + rep) for pi in range(len(prompts))]
         for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
-            acc[mode].append(run_concurrent(runner.gen.pair, mode, ids, params, settings.k, c, runner.local_ssd))
+            k = (settings.sd_k or settings.k) if mode == "sd" else settings.k
+            acc[mode].append(run_concurrent(runner.gen.pair, mode, ids, params, k, c, runner.local_ssd))
         sys.stderr.write(f"\rbench T={temp} concurrency {c}: pass {rep + 1}/{settings.repeats}")
     sys.stderr.write("\n")
     rows = []

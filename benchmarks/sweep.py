@@ -42,7 +42,7 @@ def run_sweep(settings: BenchSettings, target: ModelConfig, draft: ModelConfig) 
     if "k" in settings.sweep:
         rows = []
         for k in K_VALUES:
-            rows += _point(settings, target, draft, "k", k, k=k, modes=spec_modes, sweep=())
+            rows += _point(settings, target, draft, "k", k, k=k, sd_k=k, modes=spec_modes, sweep=())
         out["k"] = rows
         best_k = {m: _best([r for r in rows if r["mode"] == m], "k") for m in spec_modes}
         out["best_k"] = best_k

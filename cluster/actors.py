@@ -49,14 +49,24 @@ def _info() -> dict:
 
 @ray.remote
 class DrafterActor:
+    """Serves as soon as it is constructed, so a Ray restart (``max_restarts``) brings the server back by itself;
+    the verifier then asks for the new address and reconnects."""
+
     def __init__(self, config: DrafterServerConfig, core: int | None = None) -> None:
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         self.server = DrafterServer(replace(config, host=host, device=device if config.device == "auto"
                                             else config.device))
+        self.server.start()
 
     def start(self) -> str:
-        return self.server.start()
+        return self.server.address
+
+    def address(self) -> str:
+        return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def info(self) -> dict:
         return {**_info(), "address": self.server.address, "device": str(self.server.runner.device),
@@ -68,14 +78,21 @@ class DrafterActor:
 
 @ray.remote
 class VerifierActor:
-    def __init__(self, config: VerifierServerConfig, core: int | None = None) -> None:
+    def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter=None) -> None:
+        """``drafter``: the drafter actor's handle, asked for its current address whenever the link must be
+        re-established (after a drafter restart)."""
+        self.drafter = drafter
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         self.server = VerifierServer(replace(config, host=host,
                                              device=device if config.device == "auto" else config.device))
 
     def start(self, drafter_address: str | None) -> str:
-        return self.server.start(drafter_address)
+        resolver = None
+        if self.drafter is not None:
+            handle = self.drafter
+            resolver = lambda: ray.get(handle.address.remote(), timeout=10)  # noqa: E731
+        return self.server.start(drafter_address, resolver)
 
     def info(self) -> dict:
         return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device),

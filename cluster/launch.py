@@ -136,14 +136,15 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
         use_gpu = bundles[0].get("GPU", 0) >= 1
     cpus = [b.get("CPU", 0.0) for b in bundles]
     pin = cfg.pin_cores and not use_gpu
+    # The drafter is restarted by Ray if it dies (the verifier serves from its backup meanwhile, then reconnects).
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
-        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0,
+        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0, max_restarts=-1,
     ).remote(cfg.drafter_config(), 1 if pin else None)
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
         num_cpus=cpus[1], num_gpus=1 if use_gpu else 0,
-    ).remote(cfg.verifier_config(), 0 if pin else None)
+    ).remote(cfg.verifier_config(), 0 if pin else None, drafter)
     if not own:
         pg = None  # not ours to remove
     try:

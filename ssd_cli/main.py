@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a few prompts and tokens (CI)")
     b.add_argument("--out", help="write results JSON here")
     b.add_argument("--target-threads", type=int, default=1)
+    b.add_argument("--sd-k", type=int, default=None, help="K for the sd modes (default --k): each at its best K")
     b.add_argument("--budget", type=int, default=12, help="SSD fan-out budget (pre-drafted branches per request)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro down-weighting C in (0, 1]")
     b.add_argument("--sweep", help="k,budget,c: find the best K (1-8, SD and SSD), budget and Saguaro C")

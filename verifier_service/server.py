@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -54,6 +55,8 @@ class VerifierServerConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
     adaptive_k: bool = True
+    #: How often a dead drafter link is retried (the drafter may be restarted, e.g. by Ray).
+    reconnect_interval_s: float = 0.5
     #: Prometheus exposition port (None: off; 0: any free port).
     metrics_port: int | None = None
 
@@ -171,6 +174,9 @@ class VerifierServer:
         self.address: str | None = None
         self.metrics = None
         self.metrics_address: str | None = None
+        self._stopping = threading.Event()
+        self.reconnects = 0
+        self.link_bytes_base = (0, 0)
 
     # ---- requests --------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -220,7 +226,9 @@ class VerifierServer:
             engine.adaptive = AdaptiveK(k_max=c.k)
         return engine
 
-    def start(self, drafter_address: str | None = None) -> str:
+    def start(self, drafter_address: str | None = None, drafter_resolver=None) -> str:
+        """Serve. ``drafter_resolver()`` returns the drafter's current address when its link must be re-established
+        (default: ``drafter_address`` again)."""
         engine = self._build_engine(drafter_address)
         if self.config.metrics_port is not None:
             from verifier_service.metrics import ServiceMetrics
@@ -241,8 +249,31 @@ class VerifierServer:
         self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="verifier-grpc")
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
+        if self.link is not None:
+            resolver = drafter_resolver or (lambda: drafter_address)
+            threading.Thread(target=self._watch_drafter, args=(resolver,), name="drafter-watch", daemon=True).start()
         logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.mode)
         return self.address
+
+    def _watch_drafter(self, resolver) -> None:
+        """Reconnect a dead drafter link (the engine uses its backup meanwhile; nothing waits on this)."""
+        from verifier_service.drafter_link import GrpcDrafterLink
+
+        while not self._stopping.wait(self.config.reconnect_interval_s):
+            link, loop = self.link, self.engine_loop
+            if link is None or link.alive or loop is None or loop.pending_link is not None:
+                continue
+            try:
+                new = GrpcDrafterLink(resolver(), self.hello(), self.pair.target.vocab_size, connect_timeout_s=5.0)
+            except Exception as exc:  # noqa: BLE001 - keep trying; the backup serves meanwhile
+                logger.info("drafter not back yet: %s", exc)
+                continue
+            self.link_bytes_base = (self.link_bytes_base[0] + link.bytes_sent,
+                                    self.link_bytes_base[1] + link.bytes_received)
+            self.link = new
+            loop.pending_link = new
+            self.reconnects += 1
+            logger.warning("reconnected to the drafter at %s", new.address)
 
     def drain(self, grace_s: float | None = None) -> bool:
         """Health NOT_SERVING, refuse new requests (UNAVAILABLE), finish in-flight ones, then stop the server."""
@@ -254,6 +285,7 @@ class VerifierServer:
         return done
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self._stopping.set()
         if self.thread is not None:
             self.thread.stop(grace_s)
         if self.engine_loop is not None:
@@ -289,9 +321,10 @@ class VerifierServer:
                        tokens_per_round_on_hit=s.tokens_on_hit / s.hit_rounds if s.hit_rounds else None,
                        tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
                                                  if s.jit_rounds + s.backup_rounds else None),
-                       fast_backup_steps=s.fast_backup_steps,
+                       fast_backup_steps=s.fast_backup_steps, backup_switch_rounds=proposer.switch_rounds,
                        verifier_wait_fraction=s.wait_s / step_s if step_s > 0 else None)
         if self.link is not None:
-            out.update(link_bytes_sent=self.link.bytes_sent, link_bytes_received=self.link.bytes_received,
-                       drafter_error=self.link.error)
+            out.update(link_bytes_sent=self.link_bytes_base[0] + self.link.bytes_sent,
+                       link_bytes_received=self.link_bytes_base[1] + self.link.bytes_received,
+                       drafter_error=self.link.error, drafter_reconnects=self.reconnects)
         return out

@@ -91,6 +91,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self.thread = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
         self.failures = 0
+        #: A new drafter link handed over by another thread; swapped in by the engine thread between steps.
+        self.pending_link = None
 
     # ---- called from handlers (any thread) -------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> Sequence:
@@ -139,8 +141,18 @@ class EngineLoop:
         return self.num_admitted == 0
 
     # ---- engine thread ---------------------------------------------------------------------------------------
+    def _swap_link(self) -> None:
+        new, self.pending_link = self.pending_link, None
+        old = getattr(self.engine.drafter, "link", None)
+        self.engine.drafter.replace_link(new)
+        if old is not None and old is not new:
+            old.close()
+        logger.info("drafter link replaced (reconnect %d)", self.engine.drafter.reconnects)
+
     def _run(self) -> None:
         while not self._stop:
+            if self.pending_link is not None:
+                self._swap_link()
             self._admit()
             if self.engine.has_work():
                 m = self.engine.metrics

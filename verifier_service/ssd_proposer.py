@@ -81,6 +81,10 @@ class SSDProposer:
             raise ValueError(f"backup_policy must be auto, neural or fast, got {backup_policy!r}")
         self.backup_policy = backup_policy
         self.jit_allowed = backup_policy != "fast"
+        self.reconnects = 0
+        #: Rounds between noticing a dead drafter link and the first round served by the backup (fault metric).
+        self.down_at_round: int | None = None
+        self.switch_rounds: int | None = None
         self.link = link
         self.vocab_size = vocab_size
         self.backup = backup
@@ -137,6 +141,11 @@ class SSDProposer:
             specs[seq.request_id] = spec
             st.used_hit = hit
             st.source = "hit" if hit else ("jit" if spec is not None else "backup")
+        alive = getattr(self.link, "alive", True)
+        if not alive and self.down_at_round is None:
+            self.down_at_round, self.switch_rounds = self.stats.rounds, None
+        elif alive:
+            self.down_at_round = None
         self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
         if not self.jit_allowed:
             self.stats.fast_backup_steps += 1
@@ -175,6 +184,8 @@ class SSDProposer:
             return TokenTree.chain(tokens, probs)
         tokens = backup_tokens(seq.token_ids, k, self.backup) if k > 0 and st.round > 0 else []
         st.verified = list(tokens)
+        if self.down_at_round is not None and self.switch_rounds is None and k > 0 and st.round > 0:
+            self.switch_rounds = self.stats.rounds - 1 - self.down_at_round  # rounds served otherwise first
         if not tokens:
             return TokenTree(parents=[], token_ids=[], draft_probs=None)
         self.stats.backup += 1
@@ -211,6 +222,13 @@ class SSDProposer:
                                         verify_s=self.verify_s_ema, sent_at=now, jit=self.jit_allowed))
             st.last_key = (len(accepted), bonus)
         st.round += 1
+
+    def replace_link(self, link) -> None:
+        """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
+        every active request starts over with a prefill event on its next round."""
+        self.link = link
+        self.state.clear()
+        self.reconnects += 1
 
     def choose_backup(self, b: int) -> str:
         """'neural' (wait for a JIT draft on a miss) or 'fast' (n-gram at once) for a step of ``b`` requests."""
