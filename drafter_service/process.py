@@ -117,6 +117,12 @@ class DrafterLoop:
                 specs.append(Speculation(backup_tokens(req.seq.token_ids, req.k, self.backup), None, "backup"))
         if outcomes:
             self.drafter.refresh_estimates()
+        # A request freed later in this same batch of events (e.g. a cancelled stream) must not get a bundle:
+        # building one would allocate KV blocks that nothing frees.
+        live = [i for i, r in enumerate(reqs) if self.drafter.requests.get(r.seq.request_id) is r]
+        if len(live) < len(reqs):
+            reqs, specs = [reqs[i] for i in live], [specs[i] for i in live]
+            misses = [live.index(i) for i in misses if i in live]
         if not reqs:
             return
         self._serve_misses(reqs, specs, misses)

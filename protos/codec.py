@@ -18,6 +18,10 @@ from spec_core.speculation import BranchBundle, FreeEvent, OutcomeEvent, Prefill
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 128
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
@@ -71,6 +75,12 @@ def request_to_params(req: pb.GenerateRequest) -> tuple[str | list[int], Samplin
     )
     if any(not s for s in params.stop):
         raise ValueError("stop strings must be non-empty")
+    if len(params.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     return (req.prompt if has_text else list(req.prompt_token_ids)), params
 
 

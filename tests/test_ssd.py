@@ -91,3 +91,25 @@ def test_concurrency_is_real(tiny_models):
     mean_round = engine.metrics.step_s / engine.metrics.num_steps
     assert stats.hits >= rounds // 2, stats
     assert mean_round < 0.26, mean_round
+
+
+def test_prefill_and_free_in_one_batch_leaks_nothing(tiny_models):
+    """A request cancelled before its first bundle was built (both events in one batch) gets no KV blocks."""
+    from drafter_service.process import DrafterLoop
+    from drafter_service.ssd_drafter import SSDDrafter
+    from spec_core.speculation import FreeEvent, PrefillEvent
+
+    class Sink:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4)))
+    loop = DrafterLoop(drafter, Sink())
+    params = SamplingParams(max_new_tokens=8)
+    loop.handle([PrefillEvent("a", [1, 2, 3], params, 3), PrefillEvent("b", [4, 5], params, 3), FreeEvent("a")])
+    assert set(drafter.requests) == {"b"} and [m.request_id for m in loop.link.sent] == ["b"]
+    loop.handle([FreeEvent("b")])
+    drafter.blocks.check_all_free()

@@ -87,11 +87,14 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
 
     async def _submit(self, request: pb.GenerateRequest, context):
         srv = self.server
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
         if srv.engine_loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
         try:
             prompt, params = codec.request_to_params(request)
             ids = srv.encode(prompt)
+            srv.check_limits(ids, params)
             seq = srv.engine_loop.new_sequence(ids, params, request.request_id)
             return srv.engine_loop.submit(seq, asyncio.get_running_loop())
         except QueueFull as exc:
@@ -149,6 +152,43 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             json=json.dumps(stats))
 
 
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A request that did not parse as protobuf (the handler answers INVALID_ARGUMENT)."""
+
+    error: str
+
+
+def _tolerant(message_cls):
+    from google.protobuf.message import DecodeError
+
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+
+    return parse
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Like the generated ``add_GenerationServicer_to_server``, but a request that does not parse (random bytes,
+    invalid UTF-8 in a string field) reaches the handler as :class:`Malformed` and gets INVALID_ARGUMENT with the
+    parser's message, instead of the library's UNKNOWN."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            servicer.Complete, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResult.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStats, request_deserializer=_tolerant(pb.StatsRequest),
+            response_serializer=pb.StatsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 def c_k(config: VerifierServerConfig) -> int:
     return config.k if config.mode != "ar" else 0
 
@@ -193,6 +233,16 @@ class VerifierServer:
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {limit}")
         return ids
+
+    def check_limits(self, ids: list[int], params) -> None:
+        """The whole request must fit the context (as vLLM does), and stop ids must be real tokens."""
+        limit = self.pair.target.spec.max_positions
+        if len(ids) + params.max_new_tokens > limit:
+            raise ValueError(f"this model's context is {limit} tokens; the prompt has {len(ids)} and "
+                             f"max_new_tokens asks for {params.max_new_tokens} more")
+        vocab = self.pair.target.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids out of vocabulary (size {vocab})")
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def hello(self) -> pb.Hello:
@@ -242,7 +292,7 @@ class VerifierServer:
         servicer = GenerationServicer(self)
 
         async def setup(server: grpc.aio.Server) -> None:
-            ssd_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+            add_generation_servicer(servicer, server)
             self.health = add_health_and_reflection(server, [SERVICE])
             await set_health(self.health, [SERVICE], serving=True)
 
