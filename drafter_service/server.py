@@ -41,6 +41,8 @@ class DrafterServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     hello_timeout_s: float = 30.0
+    #: Mutual TLS: our certificate and key, and the CA that signed the verifier's (protos.security.TLSFiles).
+    tls: object | None = None
 
 
 class QueueLink:
@@ -178,7 +180,9 @@ class DrafterServer:
             hs = add_health_and_reflection(server, [SERVICE])
             await set_health(hs, [SERVICE], serving=True)
 
-        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="drafter-grpc")
+        creds = self.config.tls.server_credentials() if self.config.tls is not None else None
+        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="drafter-grpc",
+                                   credentials=creds)
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
         logger.info("drafter serving %s on %s", SERVICE, self.address)

@@ -72,8 +72,12 @@ class ServerThread:
     """
 
     def __init__(self, bind: str, setup: Callable[[grpc.aio.Server], Awaitable[None]],
-                 maximum_concurrent_rpcs: int | None = None, name: str = "grpc-server") -> None:
+                 maximum_concurrent_rpcs: int | None = None, name: str = "grpc-server",
+                 interceptors: list | None = None, credentials: grpc.ServerCredentials | None = None) -> None:
+        """``credentials``: TLS (see :mod:`protos.security`); ``interceptors``: e.g. bearer-token auth."""
         self.bind = bind
+        self.interceptors = interceptors or []
+        self.credentials = credentials
         self.setup = setup
         self.maximum_concurrent_rpcs = maximum_concurrent_rpcs
         self.loop = asyncio.new_event_loop()
@@ -103,10 +107,13 @@ class ServerThread:
     async def _serve(self) -> None:
         self._stopped = asyncio.Event()
         try:
-            self.server = grpc.aio.server(options=server_options(),
+            self.server = grpc.aio.server(options=server_options(), interceptors=self.interceptors,
                                           maximum_concurrent_rpcs=self.maximum_concurrent_rpcs)
             await self.setup(self.server)
-            self.port = self.server.add_insecure_port(self.bind)
+            if self.credentials is not None:
+                self.port = self.server.add_secure_port(self.bind, self.credentials)
+            else:
+                self.port = self.server.add_insecure_port(self.bind)
             if not self.port:
                 raise OSError(f"cannot bind {self.bind}")
             await self.server.start()

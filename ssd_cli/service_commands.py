@@ -35,6 +35,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--strategy", default="PACK", help="placement strategy: PACK | SPREAD | STRICT_SPREAD | ...")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
     s.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    s.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` (token read from this file)")
+    s.add_argument("--auth-token-env", help="... or from this environment variable")
+    s.add_argument("--tls-cert", help="TLS certificate (PEM) for the public API")
+    s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
     s.add_argument("--target", help="target HF model folder (default: the shipped pair)")
     s.add_argument("--draft", help="draft HF model folder (default: the shipped pair)")
     s.add_argument("--dtype", default="float32")
@@ -53,8 +57,13 @@ def add_parsers(sub) -> None:
     g.add_argument("--logprobs", action="store_true")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     g.add_argument("--json", action="store_true", help="print the same JSON object as `ssd generate --json`")
+    for p in (g,):
+        p.add_argument("--token-file", help="bearer token file (servers started with --auth-token-file)")
+        p.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's TLS certificate")
     st = csub.add_parser("stats", help="print the server's counters as JSON")
     st.add_argument("--address", default="127.0.0.1:50051")
+    st.add_argument("--token-file")
+    st.add_argument("--tls-ca")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -73,7 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                      use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
                      metrics_port=args.metrics_port, adaptive_k=not args.fixed_k,
-                     backup_policy=args.backup_policy)
+                     backup_policy=args.backup_policy,
+                     extra_verifier={"auth_token_file": _abs(args.auth_token_file),
+                                     "auth_token_env": args.auth_token_env,
+                                     "tls_cert": _abs(args.tls_cert), "tls_key": _abs(args.tls_key)})
     cfg.verifier_config()  # validate before starting Ray
     if args.address:
         ray.init(address=args.address, logging_level=logging.WARNING)
@@ -100,15 +112,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _abs(path: str | None) -> str | None:
+    import os
+
+    return os.path.abspath(path) if path else None
+
+
+def _client(args: argparse.Namespace, **kw):
+    from protos.security import read_secret
+    from verifier_service.client import SSDClient
+
+    return SSDClient(args.address, token=read_secret(args.token_file), tls_ca=args.tls_ca, **kw)
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from protos import codec
     from spec_core.config import SamplingParams
-    from verifier_service.client import SSDClient
 
     if args.client_command == "stats":
-        with SSDClient(args.address) as client:
+        with _client(args) as client:
             try:
                 print_json(__import__("json").loads(client.stats().json))
             except grpc.RpcError as exc:
@@ -116,7 +140,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         return 0
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    with SSDClient(args.address, timeout_s=args.timeout) as client:
+    with _client(args, timeout_s=args.timeout) as client:
         try:
             final = None
             for resp in client.generate(args.prompt, params):

@@ -42,12 +42,21 @@ class StreamedGeneration:
 
 class SSDClient:
     def __init__(self, address: str, timeout_s: float = DEFAULT_DEADLINE_S, retries: int = 3,
-                 backoff_s: float = 0.5) -> None:
+                 backoff_s: float = 0.5, token: str | None = None, tls_ca: str | None = None) -> None:
+        """``token``: bearer token for a server with authentication; ``tls_ca``: PEM of the CA that signed the
+        server's certificate (turns on TLS)."""
         self.address = address
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        if tls_ca:
+            from pathlib import Path
+
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(address, creds, options=channel_options())
+        else:
+            self.channel = grpc.insecure_channel(address, options=channel_options())
         self.stub = ssd_pb2_grpc.GenerationStub(self.channel)
 
     def close(self) -> None:
@@ -80,13 +89,13 @@ class SSDClient:
 
     def complete(self, prompt: str | list[int], params: SamplingParams, request_id: str = "") -> pb.GenerateResult:
         req = codec.params_to_request(prompt, params, request_id)
-        return self._retrying(lambda: self.stub.Complete(req, timeout=self.timeout_s))
+        return self._retrying(lambda: self.stub.Complete(req, timeout=self.timeout_s, metadata=self.metadata))
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str = "") -> Iterator[pb.GenerateResponse]:
         """Stream responses (deltas, then the final result)."""
         req = codec.params_to_request(prompt, params, request_id)
         for attempt in range(self.retries + 1):
-            call = self.stub.Generate(req, timeout=self.timeout_s)
+            call = self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata)
             got_any = False
             try:
                 for resp in call:
@@ -110,4 +119,4 @@ class SSDClient:
         return out
 
     def stats(self) -> pb.StatsResponse:
-        return self.stub.GetStats(pb.StatsRequest(), timeout=30)
+        return self.stub.GetStats(pb.StatsRequest(), timeout=30, metadata=self.metadata)

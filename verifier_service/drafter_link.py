@@ -38,8 +38,9 @@ class HandshakeError(RuntimeError):
 
 class GrpcDrafterLink:
     def __init__(self, address: str, hello: pb.Hello, vocab_size: int, connect_timeout_s: float = 60.0,
-                 session_timeout_s: float = 7 * 24 * 3600.0) -> None:
-        """Connect, send ``hello`` and wait for the drafter's ack (raises :class:`HandshakeError`)."""
+                 session_timeout_s: float = 7 * 24 * 3600.0, tls=None) -> None:
+        """Connect, send ``hello`` and wait for the drafter's ack (raises :class:`HandshakeError`).
+        ``tls``: :class:`protos.security.TLSFiles` for mutual TLS (None: plaintext)."""
         self.address = address
         self.vocab_size = vocab_size
         self.bytes_sent = 0
@@ -52,7 +53,8 @@ class GrpcDrafterLink:
         self._in: queue.Queue = queue.Queue()
         self._peek: object | None = None
         self._acked = threading.Event()
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = (grpc.secure_channel(address, tls.channel_credentials(), options=channel_options())
+                        if tls is not None else grpc.insecure_channel(address, options=channel_options()))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:

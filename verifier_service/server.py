@@ -55,6 +55,15 @@ class VerifierServerConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
     adaptive_k: bool = True
+    #: Bearer-token authentication on the public API: the token is read from this file, or from the environment
+    #: variable named by ``auth_token_env`` (never stored in the config itself, never logged).
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
+    #: TLS for the public API (server certificate and key, PEM).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Mutual TLS to the drafter: our client certificate and key, and the CA both sides trust.
+    internal_tls: object | None = None  # protos.security.TLSFiles
     #: How often a dead drafter link is retried (the drafter may be restarted, e.g. by Ray).
     reconnect_interval_s: float = 0.5
     #: Prometheus exposition port (None: off; 0: any free port).
@@ -259,7 +268,8 @@ class VerifierServer:
 
             if not drafter_address:
                 raise ValueError("mode ssd needs a drafter address")
-            self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size)
+            self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size,
+                                        tls=c.internal_tls)
             proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
                                    wait_fraction=c.wait_fraction, backup_policy=c.backup_policy)
         elif c.mode == "sd":
@@ -296,7 +306,14 @@ class VerifierServer:
             self.health = add_health_and_reflection(server, [SERVICE])
             await set_health(self.health, [SERVICE], serving=True)
 
-        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="verifier-grpc")
+        from protos.security import BearerTokenInterceptor, TLSFiles, read_secret
+
+        c = self.config
+        token = read_secret(c.auth_token_file, c.auth_token_env)
+        interceptors = [BearerTokenInterceptor(token)] if token else []
+        creds = TLSFiles(c.tls_cert, c.tls_key).server_credentials() if c.tls_cert and c.tls_key else None
+        self.thread = ServerThread(f"{c.host}:{c.port}", setup, name="verifier-grpc", interceptors=interceptors,
+                                   credentials=creds)
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
         if self.link is not None:
@@ -314,7 +331,8 @@ class VerifierServer:
             if link is None or link.alive or loop is None or loop.pending_link is not None:
                 continue
             try:
-                new = GrpcDrafterLink(resolver(), self.hello(), self.pair.target.vocab_size, connect_timeout_s=5.0)
+                new = GrpcDrafterLink(resolver(), self.hello(), self.pair.target.vocab_size, connect_timeout_s=5.0,
+                                      tls=self.config.internal_tls)
             except Exception as exc:  # noqa: BLE001 - keep trying; the backup serves meanwhile
                 logger.info("drafter not back yet: %s", exc)
                 continue
