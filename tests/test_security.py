@@ -95,3 +95,34 @@ def test_mutual_tls_between_drafter_and_verifier(default_pair, pki, greedy_refer
             GrpcDrafterLink(drafter.address, hello, hello.vocab_size, connect_timeout_s=5)
     finally:
         drafter.stop()
+
+
+def test_per_client_limits(default_pair) -> None:
+    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ar", k=0, max_prompt_tokens=20,
+                                                 max_new_tokens_limit=50, max_streams_per_client=2))
+    address = server.start()
+    try:
+        with SSDClient(address, retries=0) as client:
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete("word " * 40, SamplingParams(max_new_tokens=4))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allows 20" in info.value.details()
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete("x", SamplingParams(max_new_tokens=51))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit of 50" in info.value.details()
+            streams = [client.generate("x", SamplingParams(max_new_tokens=50, ignore_eos=True)) for _ in range(2)]
+            for st in streams:
+                next(st)
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete("x", SamplingParams(max_new_tokens=2))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in info.value.details()
+            for st in streams:
+                st.close()
+            import time
+
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and server.stats()["admitted"]:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            assert client.complete("x", SamplingParams(max_new_tokens=2)).token_ids
+    finally:
+        server.stop()

@@ -64,6 +64,10 @@ class VerifierServerConfig:
     tls_key: str | None = None
     #: Mutual TLS to the drafter: our client certificate and key, and the CA both sides trust.
     internal_tls: object | None = None  # protos.security.TLSFiles
+    #: Per-client limits (a client is its bearer token if any, else its peer address). None: no extra limit.
+    max_prompt_tokens: int | None = None
+    max_new_tokens_limit: int | None = None
+    max_streams_per_client: int | None = 32
     #: How often a dead drafter link is retried (the drafter may be restarted, e.g. by Ray).
     reconnect_interval_s: float = 0.5
     #: Prometheus exposition port (None: off; 0: any free port).
@@ -93,6 +97,27 @@ def _stats_pb(finished: Finished) -> pb.RequestStats:
 class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
     def __init__(self, server: VerifierServer) -> None:
         self.server = server
+        self.streams_by_client: dict[str, int] = {}
+
+    @staticmethod
+    def _client_id(context) -> str:
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                import hashlib
+
+                return "token:" + hashlib.sha256(str(value).encode()).hexdigest()[:12]
+        peer = context.peer() or "unknown"
+        return "peer:" + peer.rsplit(":", 1)[0]
+
+    def _check_client_limits(self, client: str, ids: list[int], params) -> None:
+        c = self.server.config
+        if c.max_prompt_tokens is not None and len(ids) > c.max_prompt_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens; this server allows {c.max_prompt_tokens} per request")
+        if c.max_new_tokens_limit is not None and params.max_new_tokens > c.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens {params.max_new_tokens} exceeds this server's limit of "
+                             f"{c.max_new_tokens_limit}")
+        if c.max_streams_per_client is not None and self.streams_by_client.get(client, 0) >= c.max_streams_per_client:
+            raise QueueFull(f"this client already has {c.max_streams_per_client} requests in flight")
 
     async def _submit(self, request: pb.GenerateRequest, context):
         srv = self.server
@@ -104,8 +129,13 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             prompt, params = codec.request_to_params(request)
             ids = srv.encode(prompt)
             srv.check_limits(ids, params)
+            client = self._client_id(context)
+            self._check_client_limits(client, ids, params)
             seq = srv.engine_loop.new_sequence(ids, params, request.request_id)
-            return srv.engine_loop.submit(seq, asyncio.get_running_loop())
+            handle = srv.engine_loop.submit(seq, asyncio.get_running_loop())
+            handle.client = client
+            self.streams_by_client[client] = self.streams_by_client.get(client, 0) + 1
+            return handle
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
@@ -119,6 +149,15 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             request_id=seq.request_id, mode=self.server.config.mode, token_ids=seq.output_ids, text=seq.text,
             finish_reason=seq.finish_reason or "", num_prompt_tokens=len(seq.prompt_ids),
             logprobs=seq.output_logprobs, stats=_stats_pb(finished))
+
+    def _done(self, handle) -> None:
+        n = self.streams_by_client.get(handle.client, 1) - 1
+        if n > 0:
+            self.streams_by_client[handle.client] = n
+        else:
+            self.streams_by_client.pop(handle.client, None)
+        if not handle.done:  # the client went away (cancel, deadline): free its KV on both sides
+            self.server.engine_loop.cancel(handle)
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         handle = await self._submit(request, context)
@@ -134,8 +173,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
                 elif isinstance(ev, Failed):
                     await context.abort(_failure_code(ev), ev.message)
         finally:
-            if not handle.done:  # the client went away (cancel, deadline): free its KV on both sides
-                self.server.engine_loop.cancel(handle)
+            self._done(handle)
 
     async def Complete(self, request, context):  # noqa: N802
         handle = await self._submit(request, context)
@@ -147,8 +185,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
                 if isinstance(ev, Failed):
                     await context.abort(_failure_code(ev), ev.message)
         finally:
-            if not handle.done:
-                self.server.engine_loop.cancel(handle)
+            self._done(handle)
 
     async def GetStats(self, request, context):  # noqa: N802
         stats = self.server.stats()

@@ -66,6 +66,7 @@ class Handle:
     sent_tokens: int = 0
     sent_chars: int = 0
     done: bool = False
+    client: str = ""
 
     def push(self, event: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
