@@ -378,7 +378,9 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
             "acceptance_by_position": None,
             "cache_hit_rate": _mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
             "verifier_idle_fraction": None, "link_bytes_per_round": None,
-            "batching": f"continuous batching, {c} in flight", "num_runs": len(runs),
+            "batching": f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else ""),
+            "mean_batch_k": _mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
+            "num_runs": len(runs),
             "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,
             "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         })

@@ -33,8 +33,13 @@ def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=Non
 
 
 def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params: list[SamplingParams], k: int,
-                   concurrency: int, local_ssd=None) -> dict:
+                   concurrency: int, local_ssd=None, adaptive: bool = True) -> dict:
+    """``adaptive``: sd/ssd choose K per step from measured costs (down to 0), as the service does."""
+    from verifier_service.adaptive import AdaptiveK
+
     engine = _engine(pair, mode, k, concurrency, local_ssd)
+    engine.adaptive = AdaptiveK(k_max=k) if adaptive and mode != "ar" else None
+    ks: list[int] = []
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
     before = _ssd_counters(local_ssd) if mode == "ssd" else None
@@ -43,8 +48,12 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     t0 = time.perf_counter()
     for s in seqs:
         engine.add(s)
-    engine.run()
+    while engine.has_work():
+        engine.step()
+        if engine.adaptive is not None:
+            ks.append(engine.adaptive.batch_k)
     wall = time.perf_counter() - t0
+    engine.adaptive = None
     m = engine.metrics.stats
     rounds, drafted, accepted = m.num_rounds - rounds0, m.num_drafted - drafted0, m.num_accepted - accepted0
     total = sum(len(s.output_ids) for s in seqs)
@@ -57,6 +66,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         "acceptance_rate": accepted / drafted if drafted else None,
         "num_generated": total,
         "cache_hit_rate": None,
+        "mean_batch_k": sum(ks) / len(ks) if ks else None,
     }
     if before is not None:
         after = _ssd_counters(local_ssd)

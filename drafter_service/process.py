@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import time
 from dataclasses import dataclass, replace
 
@@ -19,26 +20,53 @@ from drafter_service.ssd_drafter import DraftRequest, SSDConfig, SSDDrafter
 from spec_core.ngram import backup_tokens
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
-from spec_core.speculation import FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
+from spec_core.speculation import (
+    BranchBundle,
+    FreeEvent,
+    OutcomeEvent,
+    PrefillEvent,
+    Speculation,
+    SpeculationMsg,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class PipeLink:
-    """One end of a ``multiprocessing`` pipe carrying the typed messages of :mod:`spec_core.speculation`."""
+    """One end of a ``multiprocessing`` pipe carrying the typed messages of :mod:`spec_core.speculation`.
 
-    def __init__(self, conn) -> None:
+    Speculations (bundles, JIT drafts) travel as ``ssd.v1`` protobuf bytes through the same codec as gRPC, so
+    sampled probability rows go sparse (a few KB instead of MBs of pickled dense rows); events travel pickled.
+    ``vocab_size`` must be set on the receiving (verifier) end.
+    """
+
+    def __init__(self, conn, vocab_size: int | None = None) -> None:
         self.conn = conn
+        self.vocab_size = vocab_size
         self.bytes_sent = 0
 
     def send(self, msg: object) -> None:
-        self.conn.send(msg)
+        if isinstance(msg, (BranchBundle, SpeculationMsg)):
+            from protos.codec import message_to_pb
+
+            data = message_to_pb(msg).SerializeToString()
+            self.bytes_sent += len(data)
+            self.conn.send_bytes(b"P" + data)
+        else:
+            self.conn.send_bytes(b"O" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         return self.conn.poll(timeout)
 
     def recv(self) -> object:
-        return self.conn.recv()
+        data = self.conn.recv_bytes()
+        if data[:1] == b"P":
+            from protos.codec import message_from_pb
+            from protos.ssd.v1 import ssd_pb2
+
+            # A bundle keeps the drafter's completion time (same machine, same monotonic clock).
+            return message_from_pb(ssd_pb2.DrafterMessage.FromString(data[1:]), self.vocab_size)
+        return pickle.loads(data[1:])
 
     def close(self) -> None:
         self.conn.close()

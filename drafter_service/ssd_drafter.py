@@ -103,15 +103,31 @@ class SSDDrafter:
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def _pick(self, req: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One token from ``logits [V]``: argmax for greedy, else a draw from Saguaro's q′ (returned)."""
+        """One token from ``logits [V]`` (see :meth:`_pick_rows`)."""
+        toks, q = self._pick_rows(req, logits[None])
+        return toks[0], (q[0] if q is not None else None)
+
+    def _pick_rows(self, req: DraftRequest, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """One token per row of ``logits [m, V]``, all rows at once: argmax for greedy, else draws from
+        Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from)."""
         seq = req.seq
         if seq.params.greedy:
-            return int(logits.argmax()), None
-        q = request_probs(logits[None, None], [seq.params])[0, 0]
+            return logits.argmax(-1).tolist(), None
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
-        q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), self.config.proposal_top_n)
-        tok = int(sample_from_probs(q_prime[None], seq.uniforms(1))[0])
-        return tok, q if self.config.ship_raw_q else q_prime
+        n, vocab = self.config.proposal_top_n, logits.shape[-1]
+        if self.config.ship_raw_q or not 0 < n < vocab:
+            q = request_probs(logits[None], [seq.params])[0]
+            q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), n)
+            toks = sample_from_probs(q_prime, seq.uniforms(logits.shape[0])).tolist()
+            return toks, q if self.config.ship_raw_q else q_prime
+        # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution
+        # over the draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
+        vals, idx = torch.topk(logits.float(), n, dim=-1)
+        small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, self.config.saguaro_c)
+        local = sample_from_probs(small, seq.uniforms(logits.shape[0]))
+        toks = idx.gather(-1, local[:, None])[:, 0].tolist()
+        q_prime = torch.zeros(logits.shape[0], vocab).scatter_(-1, idx, small)
+        return toks, q_prime
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
         return self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
@@ -209,11 +225,12 @@ class SSDDrafter:
                                       0, [-1] * m, list(range(m)), extra_slots=glue + earlier, extra_mask=mask))
             logits = self._forward(items)
             for j, i in enumerate(live):
-                for b in range(len(branches[i])):
-                    tok, q = self._pick(reqs[i], logits[j, b])
+                m = len(branches[i])
+                toks, qs = self._pick_rows(reqs[i], logits[j, :m])
+                for b, tok in enumerate(toks):
                     out_tokens[i][b].append(tok)
-                    if q is not None:
-                        out_rows[i][b].append(q)
+                    if qs is not None:
+                        out_rows[i][b].append(qs[b])
                     now_tokens[i][b] = tok
         now = time.perf_counter()
         bundles = []

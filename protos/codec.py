@@ -208,7 +208,8 @@ def message_to_pb(msg: object) -> pb.DrafterMessage:
         branches = [pb.Branch(num_accepted=k, bonus=b, speculation=speculation_to_pb(s))
                     for (k, b), s in msg.entries.items()]
         return pb.DrafterMessage(bundle=pb.Bundle(request_id=msg.request_id, round=msg.round,
-                                                  base_ids=pack_ids(msg.base_tokens), branches=branches))
+                                                  base_ids=pack_ids(msg.base_tokens), branches=branches,
+                                                  built_at=msg.ready_at))
     if isinstance(msg, SpeculationMsg):
         return pb.DrafterMessage(jit=pb.JitSpeculation(request_id=msg.request_id, round=msg.round,
                                                        speculation=speculation_to_pb(msg.speculation)))
@@ -220,7 +221,7 @@ def message_from_pb(msg: pb.DrafterMessage, vocab_size: int) -> object:
     if kind == "bundle":
         b = msg.bundle
         entries = {(br.num_accepted, br.bonus): speculation_from_pb(br.speculation, vocab_size) for br in b.branches}
-        return BranchBundle(b.request_id, b.round, unpack_ids(b.base_ids), entries)
+        return BranchBundle(b.request_id, b.round, unpack_ids(b.base_ids), entries, ready_at=b.built_at)
     if kind == "jit":
         j = msg.jit
         return SpeculationMsg(j.request_id, j.round, speculation_from_pb(j.speculation, vocab_size))

@@ -61,6 +61,7 @@ def test_backup_choice_flips_at_b_star() -> None:
     s.rounds, s.hits = 100, 80
     s.hit_rounds, s.tokens_on_hit = 80, 240
     s.jit_rounds, s.tokens_on_jit, s.jit_wait_s = 20, 60, 20 * 0.4 * 0.01  # JIT costs 0.4 verify
+    s.jit_attempt_rounds, s.tokens_on_jit_attempts = 20, 60
     s.backup_rounds, s.tokens_on_backup = 10, 15
     prop.verify_s_ema = 0.01
     choices = {b: prop.choose_backup(b) for b in (1, 2, 4, 8, 16, 32, 64)}

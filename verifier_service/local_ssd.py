@@ -60,6 +60,7 @@ class LocalSSD:
             DrafterProcessConfig(cfg.draft_path, cfg.ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  backup=cfg.backup, wait_fraction=cfg.wait_fraction)
         )
+        self.link.vocab_size = self.target.vocab_size
         if cfg.verifier_core is not None and hasattr(os, "sched_setaffinity"):
             self._old_affinity = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cfg.verifier_core})

@@ -44,6 +44,9 @@ class SSDStats:
     backup_rounds: int = 0
     tokens_on_backup: int = 0
     jit_wait_s: float = 0.0
+    #: Rounds in which the verifier waited for a JIT draft (whether or not it came in time), and their tokens.
+    jit_attempt_rounds: int = 0
+    tokens_on_jit_attempts: int = 0
     #: Histogram of accepted tokens per speculating round: accepted_hist[j] = rounds that accepted j tokens.
     accepted_hist: list[int] = field(default_factory=list)
     #: Steps on which the backup policy chose the fast (n-gram) backup instead of waiting for a JIT draft.
@@ -62,6 +65,7 @@ class _ReqState:
     verify_end: float = 0.0
     used_hit: bool = False
     source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
+    jit_attempted: bool = False
     bundles: dict[int, BranchBundle] = field(default_factory=dict)
     jit: dict[int, Speculation] = field(default_factory=dict)
 
@@ -150,6 +154,8 @@ class SSDProposer:
         if not self.jit_allowed:
             self.stats.fast_backup_steps += 1
         if waiting and self.jit_allowed and getattr(self.link, "alive", True):  # dead link: straight to backup
+            for seq in waiting:
+                self.state[seq.request_id].jit_attempted = True
             deadline = time.perf_counter() + self.wait_fraction * self.verify_s_ema
             t0 = time.perf_counter()
             while waiting and time.perf_counter() < deadline:
@@ -202,6 +208,9 @@ class SSDProposer:
         if st.round > 0 and tree.num_nodes:
             tokens = len(accepted) + 1
             s = self.stats
+            if st.jit_attempted:
+                s.jit_attempt_rounds += 1
+                s.tokens_on_jit_attempts += tokens
             while len(s.accepted_hist) <= len(accepted):
                 s.accepted_hist.append(0)
             s.accepted_hist[len(accepted)] += 1
@@ -222,6 +231,7 @@ class SSDProposer:
                                         verify_s=self.verify_s_ema, sent_at=now, jit=self.jit_allowed))
             st.last_key = (len(accepted), bonus)
         st.round += 1
+        st.jit_attempted = False
 
     def replace_link(self, link) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
@@ -237,13 +247,17 @@ class SSDProposer:
         from drafter_service.policy import BackupCost, choose_backup
 
         s = self.stats
-        if s.rounds < 8:
+        self._policy_steps = getattr(self, "_policy_steps", 0) + 1
+        # Explore: the neural backup's value is only known from rounds that used it, so it is tried until there
+        # is evidence (8 JIT rounds), and again every 64 steps in case conditions changed.
+        # Waiting for a JIT draft is judged by every round that waited, including waits that timed out.
+        if s.rounds < 8 or s.jit_attempt_rounds < 8 or self._policy_steps % 64 == 0:
             return "neural"
         p_hit = s.hits / s.rounds
-        e_hit = s.tokens_on_hit / s.hit_rounds if s.hit_rounds else 1.0
-        e_jit = s.tokens_on_jit / s.jit_rounds if s.jit_rounds else e_hit
+        e_jit = s.tokens_on_jit_attempts / s.jit_attempt_rounds
+        e_hit = s.tokens_on_hit / s.hit_rounds if s.hit_rounds else e_jit
         e_fast = s.tokens_on_backup / s.backup_rounds if s.backup_rounds else 1.0
-        t_jit = (s.jit_wait_s / s.jit_rounds / self.verify_s_ema) if s.jit_rounds else self.wait_fraction
+        t_jit = s.jit_wait_s / s.jit_attempt_rounds / self.verify_s_ema
         return choose_backup(b, p_hit, max(e_hit, 1e-3), BackupCost(max(e_jit, 1e-3), min(t_jit, 10.0)),
                              BackupCost(max(e_fast, 1e-3), 0.0), t_p=1.0)
 

@@ -57,7 +57,7 @@ class ModelShape:
 
 
 TARGET_SHAPE = ModelShape(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=2, intermediate_size=1152)
-DRAFT_SHAPE = ModelShape(hidden_size=192, num_layers=2, num_heads=3, num_kv_heads=1, intermediate_size=512)
+DRAFT_SHAPE = ModelShape(hidden_size=96, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=288)
 TINY_SHAPE = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 

@@ -241,16 +241,18 @@ class Branch(_message.Message):
     def __init__(self, num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Bundle(_message.Message):
-    __slots__ = ("request_id", "round", "base_ids", "branches")
+    __slots__ = ("request_id", "round", "base_ids", "branches", "built_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_IDS_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    BUILT_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     base_ids: bytes
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., base_ids: _Optional[bytes] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+    built_at: float
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., base_ids: _Optional[bytes] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., built_at: _Optional[float] = ...) -> None: ...
 
 class JitSpeculation(_message.Message):
     __slots__ = ("request_id", "round", "speculation")
