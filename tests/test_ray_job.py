@@ -78,11 +78,15 @@ def test_job_submit_runs_ssd_batch_on_the_cluster(ray_head, tmp_path, greedy_ref
         for i, p in enumerate(PROMPTS):
             f.write(json.dumps({"id": f"p{i}", "prompt": p, "max_new_tokens": 20, "ignore_eos": True}) + "\n")
     out = tmp_path / "out.jsonl"
-    job = subprocess.run(
-        [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir", str(work),
-         "--", "ssd", "-v", "batch", "--input", "prompts.jsonl", "--output", str(out), "--mode", "ssd", "--k", "2",
-         "--concurrency", "3"],
-        env=env, capture_output=True, text=True, timeout=600)
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir",
+           str(work), "--", "ssd", "-v", "batch", "--input", "prompts.jsonl", "--output", str(out), "--mode", "ssd",
+           "--k", "2", "--concurrency", "3"]
+    deadline = time.monotonic() + 120
+    while True:  # right after `ray start`, the head's job agent may not be registered yet ("try again later")
+        job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
     assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
     assert "succeeded" in job.stdout
     assert "pair placed" in job.stdout  # the drafter and verifier ran as placed actors, not locally
