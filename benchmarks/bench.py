@@ -195,6 +195,13 @@ class ModeRunner:
             if "hf-assisted-tuned" in modes:
                 self.hf["hf-assisted-tuned"] = HFGenerate(target.path, draft.path if draft else None)
 
+        # The service first: Ray's processes inherit this process's CPU affinity, which the local SSD pins to
+        # one core below.
+        self.service = None
+        if "ssd-service" in settings.modes:
+            from benchmarks.service_mode import ServiceMode
+
+            self.service = ServiceMode(target.path, draft.path, settings.k)
         self.local_ssd = None
         if "ssd" in settings.modes:
             from drafter_service.ssd_drafter import SSDConfig
@@ -206,11 +213,6 @@ class ModeRunner:
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c)
             self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
                                       eos_ids=pair.eos_ids).__enter__()
-        self.service = None
-        if "ssd-service" in settings.modes:
-            from benchmarks.service_mode import ServiceMode
-
-            self.service = ServiceMode(target.path, draft.path, settings.k)
         self.ssd_extra: dict[str, list[dict]] = {"ssd": [], "ssd-service": []}
 
     def close(self) -> None:
@@ -241,7 +243,16 @@ class ModeRunner:
         if mode in TWO_THREAD_MODES:
             return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
         if mode == "ssd-service":
-            result, extra = self.service.run(prompt, params)
+            # This process is only the client here: unpin it from the verifier's core (the local ssd mode pins
+            # it there), or the client would compete with the verifier actor for one vCPU.
+            pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
+            try:
+                if pinned is not None:
+                    os.sched_setaffinity(0, self.all_cores)
+                result, extra = self.service.run(prompt, params)
+            finally:
+                if pinned is not None:
+                    os.sched_setaffinity(0, pinned)
             self.ssd_extra[mode].append(extra)
             return result
         if mode == "ssd":
