@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install demo test lint bench-quick slow clean proto
+.PHONY: install demo test lint bench-quick slow soak clean proto
 
 $(BIN)/ssd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: install
 
 slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+soak: install
+	$(BIN)/python -m pytest -q -m slow tests/test_soak.py -s
 
 lint: install
 	$(BIN)/ruff check .

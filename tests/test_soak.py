@@ -1,0 +1,121 @@
+"""Load: many concurrent streaming clients against the SSD service for a while.
+
+0 errors of any status, greedy outputs equal AR (sampled ones well-formed), p99 inter-token latency reported,
+RSS growth after warm-up under 10%, every KV block free at the end. The 32-client, 60-second version is
+``make soak`` (marked slow); CI runs a short one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import resource
+import threading
+import time
+
+import pytest
+
+from drafter_service.server import DrafterServer, DrafterServerConfig
+from drafter_service.ssd_drafter import SSDConfig
+from spec_core.config import SamplingParams
+from verifier_service.client import SSDClient
+from verifier_service.server import VerifierServer, VerifierServerConfig
+
+logger = logging.getLogger(__name__)
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Node:\n", "for i in range(10):\n", "x = [", "# sort a list\n"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _soak(default_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
+    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+    drafter.start()
+    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=max(32, clients),
+                                                 max_num_seqs=16, max_streams_per_client=None))
+    address = server.start(drafter.address)
+    refs = {p: greedy_reference(p, max_new) for p in PROMPTS}
+    errors: list[str] = []
+    itls: list[float] = []
+    done = [0]
+    lock = threading.Lock()
+    stop_at = [0.0]
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        with SSDClient(address, retries=0) as client:
+            while time.monotonic() < stop_at[0]:
+                prompt = rng.choice(PROMPTS)
+                greedy = rng.random() < 0.5
+                params = SamplingParams(max_new_tokens=max_new, ignore_eos=True,
+                                        temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
+                try:
+                    times, tokens = [], []
+                    final = None
+                    for resp in client.generate(prompt, params):
+                        if resp.WhichOneof("kind") == "delta":
+                            times.append(time.perf_counter())
+                            tokens.extend(resp.delta.token_ids)
+                        else:
+                            final = resp.final
+                    ok = final is not None and list(final.token_ids) == tokens and len(tokens) == max_new
+                    ok = ok and all(0 <= t < 8192 for t in tokens) and (not greedy or tokens == refs[prompt])
+                    with lock:
+                        if not ok:
+                            errors.append(f"bad output for {prompt!r} greedy={greedy}")
+                        itls.extend(b - a for a, b in zip(times, times[1:]))
+                        done[0] += 1
+                except Exception as exc:  # noqa: BLE001 - every error counts
+                    with lock:
+                        errors.append(repr(exc))
+
+    try:
+        # warm-up, then measure RSS growth over the loaded period
+        stop_at[0] = time.monotonic() + min(5.0, seconds / 3)
+        ts = [threading.Thread(target=worker, args=(100 + i,)) for i in range(clients)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        rss0 = _rss_mb()
+        stop_at[0] = time.monotonic() + seconds
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        rss1 = _rss_mb()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (server.stats()["admitted"] or server.stats()["kv_usage"]):
+            time.sleep(0.1)
+        stats = server.stats()
+        itls.sort()
+        report = {"requests": done[0], "errors": errors[:5], "num_errors": len(errors),
+                  "itl_p99_s": itls[int(0.99 * (len(itls) - 1))] if itls else None,
+                  "rss_growth": (rss1 - rss0) / rss0, "kv_usage": stats["kv_usage"], "admitted": stats["admitted"]}
+        logger.warning("soak: %s", report)
+        return report
+    finally:
+        server.stop()
+        drafter.stop()
+
+
+def _check(report: dict) -> None:
+    assert report["num_errors"] == 0, report
+    assert report["requests"] > 0 and report["itl_p99_s"] is not None
+    assert report["rss_growth"] < 0.10, report
+    assert report["kv_usage"] == 0.0 and report["admitted"] == 0, report
+
+
+def test_short_load(default_pair, greedy_reference) -> None:
+    _check(_soak(default_pair, greedy_reference, clients=8, seconds=8, max_new=16))
+
+
+@pytest.mark.slow
+def test_soak_32_clients_60s(default_pair, greedy_reference) -> None:
+    _check(_soak(default_pair, greedy_reference, clients=32, seconds=60, max_new=32))
