@@ -50,12 +50,17 @@ def _pids_mentioning(text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rjt", dir="/tmp")
+    # Every port of its own: the test session's embedded Ray already holds the defaults (e.g. the dashboard
+    # agent's 52365), and a head whose agent cannot bind answers "No available agent to submit job".
     gcs, dash, client = _free_port(), _free_port(), _free_port()
+    agent_http, agent_grpc, metrics, runtime_env = _free_port(), _free_port(), _free_port(), _free_port()
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
     start = subprocess.run(
         [f"{bin_dir}/ray", "start", "--head", f"--port={gcs}", f"--dashboard-port={dash}",
-         f"--ray-client-server-port={client}", "--dashboard-host=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
+         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+         f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+         f"--runtime-env-agent-port={runtime_env}", "--dashboard-host=127.0.0.1", "--num-cpus=2", "--num-gpus=0",
          f"--temp-dir={temp_dir}", "--disable-usage-stats"],
         env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stderr[-2000:]
