@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 from spec_core.config import SamplingParams
-from spec_core.detokenizer import IncrementalDetokenizer  # noqa: F401 - sequences stream text like the service
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
 from verifier_service.engine import EngineConfig, VerifierEngine

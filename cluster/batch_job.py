@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +54,5 @@ def run_batch_on_ray(address: str | None, input_path: Path, output_path: Path, s
         for i, ((rid, _, _), res) in enumerate(zip(rows, results)):
             f.write(json.dumps(result_row(rid or str(i), res)) + "\n")
     total = sum(len(r.token_ids) for r in results)
-    sys.stderr.flush()
     return {"requests": len(rows), "generated_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "cache_hit_rate": stats.get("cache_hit_rate"), "placement": {k: info[k] for k in ("drafter", "verifier")}}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ import grpc
 from drafter_service.process import DrafterLoop
 from drafter_service.ssd_drafter import SSDConfig, SSDDrafter
 from protos import codec
-from protos.serving import ServerThread, add_health_and_reflection, set_health
+from protos.serving import PeekQueue, ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
 from spec_core.runner import ModelRunner
@@ -55,8 +54,7 @@ class QueueLink:
     def __init__(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue) -> None:
         self.loop = loop
         self.outbox = outbox
-        self.inbox: queue.Queue = queue.Queue()
-        self._peek: object | None = None
+        self.inbox = PeekQueue()
         self.bytes_sent = 0
 
     def send(self, msg: object) -> None:
@@ -65,18 +63,10 @@ class QueueLink:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, m)
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        if self._peek is None:
-            try:
-                self._peek = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
-            except queue.Empty:
-                return False
-        return True
+        return self.inbox.poll(timeout)
 
     def recv(self) -> object:
-        if self._peek is not None:
-            msg, self._peek = self._peek, None
-            return msg
-        return self.inbox.get()
+        return self.inbox.recv()
 
 
 class _Session:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections.abc import Awaitable, Callable
 
@@ -141,3 +142,31 @@ class ServerThread:
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.exception("error while stopping the gRPC server on %s", self.bind)
         self.thread.join(timeout=5)
+
+
+class PeekQueue:
+    """A thread-safe inbox with the link interface's ``poll(timeout)`` / ``recv()`` (poll keeps what it saw)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self._peek: object | None = None
+
+    def put(self, item: object) -> None:
+        self.queue.put(item)
+
+    def empty(self) -> bool:
+        return self._peek is None and self.queue.empty()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        if self._peek is None:
+            try:
+                self._peek = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def recv(self) -> object:
+        if self._peek is not None:
+            item, self._peek = self._peek, None
+            return item
+        return self.queue.get()

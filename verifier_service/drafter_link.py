@@ -20,7 +20,7 @@ import time
 import grpc
 
 from protos import codec
-from protos.serving import channel_options
+from protos.serving import PeekQueue, channel_options
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
 from spec_core.speculation import BranchBundle
@@ -50,8 +50,7 @@ class GrpcDrafterLink:
         self.error: str | None = None
         self.ack: pb.HelloAck | None = None
         self._out: queue.Queue = queue.Queue()
-        self._in: queue.Queue = queue.Queue()
-        self._peek: object | None = None
+        self._in = PeekQueue()
         self._acked = threading.Event()
         self.channel = (grpc.secure_channel(address, tls.channel_credentials(), options=channel_options())
                         if tls is not None else grpc.insecure_channel(address, options=channel_options()))
@@ -112,20 +111,12 @@ class GrpcDrafterLink:
         self._out.put(m)
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        if self._peek is None:
-            if not self.alive and self._in.empty():
-                return False
-            try:
-                self._peek = self._in.get(timeout=timeout) if timeout else self._in.get_nowait()
-            except queue.Empty:
-                return False
-        return True
+        if not self.alive and self._in.empty():
+            return False
+        return self._in.poll(timeout)
 
     def recv(self) -> object:
-        if self._peek is not None:
-            msg, self._peek = self._peek, None
-            return msg
-        return self._in.get()
+        return self._in.recv()
 
     def close(self) -> None:
         self._out.put(None)

@@ -86,6 +86,7 @@ class SSDProposer:
         self.backup_policy = backup_policy
         self.jit_allowed = backup_policy != "fast"
         self.reconnects = 0
+        self._policy_steps = 0
         #: Rounds between noticing a dead drafter link and the first round served by the backup (fault metric).
         self.down_at_round: int | None = None
         self.switch_rounds: int | None = None
@@ -247,7 +248,7 @@ class SSDProposer:
         from drafter_service.policy import BackupCost, choose_backup
 
         s = self.stats
-        self._policy_steps = getattr(self, "_policy_steps", 0) + 1
+        self._policy_steps += 1
         # Explore: the neural backup's value is only known from rounds that used it, so it is tried until there
         # is evidence (8 JIT rounds), and again every 64 steps in case conditions changed.
         # Waiting for a JIT draft is judged by every round that waited, including waits that timed out.
