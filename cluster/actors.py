@@ -78,21 +78,33 @@ class DrafterActor:
 
 @ray.remote
 class VerifierActor:
-    def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter=None) -> None:
-        """``drafter``: the drafter actor's handle, asked for its current address whenever the link must be
-        re-established (after a drafter restart)."""
-        self.drafter = drafter
+    """Serves as soon as it is constructed, like the drafter: when Ray restarts it (``max_restarts``) it binds the
+    same public port again (a fixed port; port 0 would pick a new one), asks the drafter actor for its current
+    address, and serves. Streams in flight when it died end with UNAVAILABLE at the client."""
+
+    def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter: str | None = None,
+                 drafter_address: str | None = None, connect_timeout_s: float = 300.0,
+                 namespace: str | None = None) -> None:
+        """``drafter``: the drafter actor's name (in ``namespace``), asked for its current address now and whenever
+        the link must be re-established (after a drafter restart). A name, not a handle: a restartable actor's
+        constructor arguments must stay valid for its whole life."""
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         self.server = VerifierServer(replace(config, host=host,
                                              device=device if config.device == "auto" else config.device))
-
-    def start(self, drafter_address: str | None) -> str:
         resolver = None
-        if self.drafter is not None:
-            handle = self.drafter
+        if drafter is not None and config.mode == "ssd":
+            handle = ray.get_actor(drafter, namespace=namespace)
             resolver = lambda: ray.get(handle.address.remote(), timeout=10)  # noqa: E731
-        return self.server.start(drafter_address, resolver)
+            drafter_address = ray.get(handle.address.remote(), timeout=connect_timeout_s)
+        self.server.start(drafter_address, resolver)
+
+    def start(self, drafter_address: str | None = None) -> str:
+        """The public address (the server already runs; kept for callers that await readiness with it)."""
+        return self.server.address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def info(self) -> dict:
         return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device),

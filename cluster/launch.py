@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -137,14 +138,17 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     cpus = [b.get("CPU", 0.0) for b in bundles]
     pin = cfg.pin_cores and not use_gpu
     # The drafter is restarted by Ray if it dies (the verifier serves from its backup meanwhile, then reconnects).
+    name, namespace = f"ssd-drafter-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
-        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0, max_restarts=-1,
+        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0, max_restarts=-1, name=name, namespace=namespace,
     ).remote(cfg.drafter_config(), 1 if pin else None)
+    # The verifier too: it comes back on the same public port (clients see UNAVAILABLE meanwhile and retry).
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
-        num_cpus=cpus[1], num_gpus=1 if use_gpu else 0,
-    ).remote(cfg.verifier_config(), 0 if pin else None, drafter)
+        num_cpus=cpus[1], num_gpus=1 if use_gpu else 0, max_restarts=-1,
+    ).remote(cfg.verifier_config(), 0 if pin else None, name, connect_timeout_s=cfg.start_timeout_s,
+              namespace=namespace)
     if not own:
         pg = None  # not ours to remove
     try:

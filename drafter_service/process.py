@@ -93,15 +93,20 @@ class DrafterLoop:
     """Event handling, separated from the process so it can be unit-tested in one process."""
 
     def __init__(self, drafter: SSDDrafter, link: PipeLink, tree_delay_s: float = 0.0, backup: str = "ngram",
-                 wait_fraction: float = 0.5) -> None:
+                 wait_fraction: float = 0.5, event_delay_s: float = 0.0) -> None:
+        """``tree_delay_s`` / ``event_delay_s``: fault injection (a slow drafter); seconds added to every bundle
+        build, or before handling every batch of events (so just-in-time drafts are late too)."""
         self.drafter = drafter
         self.link = link
         self.tree_delay_s = tree_delay_s
+        self.event_delay_s = event_delay_s
         self.backup = backup
         self.wait_fraction = wait_fraction
         self.running = True
 
     def handle(self, events: list[object]) -> None:
+        if self.event_delay_s:
+            time.sleep(self.event_delay_s)
         outcomes: list[OutcomeEvent] = []
         reqs, specs, misses = [], [], []
         for ev in events:

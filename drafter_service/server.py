@@ -40,6 +40,8 @@ class DrafterServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     hello_timeout_s: float = 30.0
+    #: Fault injection (tests, chaos runs): seconds the drafter sleeps before handling each batch of events.
+    inject_delay_s: float = 0.0
     #: Mutual TLS: our certificate and key, and the CA that signed the verifier's (protos.security.TLSFiles).
     tls: object | None = None
 
@@ -73,7 +75,8 @@ class _Session:
     def __init__(self, drafter: SSDDrafter, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.link = QueueLink(loop, self.outbox)
-        self.loop = DrafterLoop(drafter, self.link, backup=config.backup, wait_fraction=config.wait_fraction)
+        self.loop = DrafterLoop(drafter, self.link, backup=config.backup, wait_fraction=config.wait_fraction,
+                               event_delay_s=config.inject_delay_s)
         self.thread = threading.Thread(target=self._run, args=(loop,), name="drafter-loop", daemon=True)
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -82,7 +85,10 @@ class _Session:
         except Exception:  # noqa: BLE001 - the session ends; the verifier falls back to its backup
             logger.exception("drafter loop failed")
         finally:
-            loop.call_soon_threadsafe(self.outbox.put_nowait, None)
+            try:
+                loop.call_soon_threadsafe(self.outbox.put_nowait, None)  # ends the stream writer
+            except RuntimeError:  # the server's event loop is already closed: nothing left to end
+                pass
 
     def stop(self) -> None:
         self.link.inbox.put("stop")

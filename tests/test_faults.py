@@ -1,18 +1,28 @@
-"""Drafter faults: SIGKILL-equivalent ``ray.kill`` of the drafter actor mid-generation.
+"""Faults: ``ray.kill`` (the process dies; Ray restarts it) of the drafter or the verifier actor mid-generation,
+and a slow drafter.
 
-Every in-flight request completes with output identical to AR; the verifier switches to its backup within one
-round (counted); Ray restarts the drafter, the verifier reconnects, and the cache-hit rate recovers.
+- Drafter killed: every in-flight request completes with output identical to AR; the verifier switches to its
+  backup within one round (counted); Ray restarts the drafter, the verifier reconnects, the hit rate recovers.
+- Verifier killed: the stream in flight ends with UNAVAILABLE (not a hang); Ray restarts the verifier on the same
+  port; the Python client's retries carry the next call through, and the new verifier speculates again.
+- Slow drafter (injected delay): the verifier never waits past its deadline; output still equals AR.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 
+import grpc
+import pytest
 import ray
 
+from drafter_service.server import DrafterServer, DrafterServerConfig
+from drafter_service.ssd_drafter import SSDConfig
 from spec_core.config import SamplingParams
 from verifier_service.client import SSDClient
+from verifier_service.server import VerifierServer, VerifierServerConfig
 
 PROMPTS = ["def parse_args(argv):\n    ", "class Cache:\n    def get(self, key):\n        "]
 
@@ -56,3 +66,64 @@ def test_drafter_killed_mid_generation_recovers(ray_session, default_pair, greed
             assert rounds > 0 and hits / rounds >= 0.5, (hits, rounds)
     finally:
         dep.shutdown(grace_s=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_verifier_killed_is_restarted_and_clients_retry(ray_session, default_pair, greedy_reference) -> None:
+    from cluster.launch import PairConfig, launch
+
+    port = _free_port()  # a fixed public port: the restarted verifier binds it again
+    dep = launch(PairConfig(default_pair["target"], default_pair["draft"], port=port, use_gpu=False,
+                            adaptive_k=False))
+    try:
+        old_pid = ray.get(dep.verifier.pid.remote())
+        ref = greedy_reference(PROMPTS[0], 300)
+        with SSDClient(dep.address, retries=0) as client:
+            stream = client.generate(PROMPTS[0], SamplingParams(max_new_tokens=300, ignore_eos=True))
+            got = [next(stream) for _ in range(4)]
+            ray.kill(dep.verifier, no_restart=False)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                got += list(stream)
+            cut_after = time.monotonic() - t0
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert cut_after < 30, cut_after  # an error, not a hang until the deadline
+        tokens = [t for r in got if r.WhichOneof("kind") == "delta" for t in r.delta.token_ids]
+        assert 0 < len(tokens) < 300 and tokens == ref[: len(tokens)]  # what arrived is correct, nothing doubled
+
+        t0 = time.monotonic()
+        with SSDClient(dep.address, retries=30, max_backoff_s=2.0) as client:  # rides out the restart
+            res = client.complete(PROMPTS[1], SamplingParams(max_new_tokens=64, ignore_eos=True))
+            assert list(res.token_ids) == greedy_reference(PROMPTS[1], 64)
+            s = _stats(client)
+        assert ray.get(dep.verifier.pid.remote()) != old_pid
+        assert s["drafter_connected"] and s["ssd_rounds"] > 0 and s["ssd_hits"] / s["ssd_rounds"] >= 0.5, s
+        print(f"verifier restart: stream cut after {cut_after:.2f} s, next call served after "
+              f"{time.monotonic() - t0:.1f} s")
+    finally:
+        dep.shutdown(grace_s=5)
+
+
+def test_slow_drafter_never_stalls_the_verifier(default_pair, greedy_reference) -> None:
+    """Every drafter step is 0.3 s late (about 20 verifies). The verifier waits for a just-in-time draft on every
+    miss (``neural`` policy, the worst case) but never past wait_fraction × a verify, then takes the backup."""
+    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2), inject_delay_s=0.3))
+    drafter.start()
+    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, backup_policy="neural",
+                                                 wait_fraction=0.5, adaptive_k=False))
+    try:
+        address = server.start(drafter.address)
+        with SSDClient(address) as client:
+            out = client.generate_all(PROMPTS[0], SamplingParams(max_new_tokens=64, ignore_eos=True))
+        assert list(out.final.token_ids) == out.streamed_token_ids == greedy_reference(PROMPTS[0], 64)
+        s = server.stats()
+        assert s["backup_rounds"] > 0 and s["verifier_max_wait_s"] < 0.1, s
+        assert s["verifier_max_wait_s"] > 0.0, s  # it did wait (for JIT drafts that came too late)
+    finally:
+        server.stop()
+        drafter.stop()

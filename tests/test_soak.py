@@ -12,6 +12,7 @@ import random
 import resource
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,6 +32,17 @@ def _rss_mb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _trimmed_rss_mb() -> float:
+    """RSS after returning free heap pages to the OS (glibc), so allocator slack does not read as growth."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return _rss_mb()
 
 
 def _soak(default_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
@@ -82,14 +94,14 @@ def _soak(default_pair, greedy_reference, clients: int, seconds: float, max_new:
             t.start()
         for t in ts:
             t.join()
-        rss0 = _rss_mb()
+        rss0 = _trimmed_rss_mb()
         stop_at[0] = time.monotonic() + seconds
         ts = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
-        rss1 = _rss_mb()
+        rss1 = _trimmed_rss_mb()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (server.stats()["admitted"] or server.stats()["kv_usage"]):
             time.sleep(0.1)
@@ -119,3 +131,58 @@ def test_short_load(default_pair, greedy_reference) -> None:
 @pytest.mark.slow
 def test_soak_32_clients_60s(default_pair, greedy_reference) -> None:
     _check(_soak(default_pair, greedy_reference, clients=32, seconds=60, max_new=32))
+
+
+def test_overload_is_resource_exhausted_not_oom(default_pair, greedy_reference) -> None:
+    """Backpressure: five bursts of 64 simultaneous streams with long prompts against a queue limit of 16. The excess
+    gets RESOURCE_EXHAUSTED at once (never queued without bound, never an out-of-memory kill), every admitted
+    stream finishes with the target's greedy output, memory stays flat from burst to burst, and the server keeps
+    serving with every KV block free."""
+    import grpc
+
+    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+    drafter.start()
+    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=16,
+                                                 max_num_seqs=8, max_streams_per_client=None))
+    prompt = "values = [\n" + "    1,\n" * 120
+    ref = greedy_reference(prompt, 24)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+    def burst(pool: ThreadPoolExecutor, clients: list[SSDClient]) -> dict[str, int]:
+        go = threading.Barrier(len(clients))
+
+        def one(client: SSDClient) -> str:
+            go.wait()
+            try:
+                out = client.generate_all(prompt, params)
+                return "ok" if list(out.final.token_ids) == out.streamed_token_ids == ref else "other"
+            except grpc.RpcError as exc:
+                return "exhausted" if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "other"
+
+        results = list(pool.map(one, clients))
+        return {key: results.count(key) for key in ("ok", "exhausted", "other")}
+
+    try:
+        address = server.start(drafter.address)
+        # the same 64 client threads every burst, so the client side's own memory (thread arenas) is steady
+        clients = [SSDClient(address, retries=0) for _ in range(64)]
+        counts, rss = [], []
+        with ThreadPoolExecutor(64) as pool:
+            for _ in range(5):  # 2 warm-up bursts (allocations that stay), then 3 measured
+                counts.append(burst(pool, clients))
+                rss.append(_trimmed_rss_mb())
+        for c in clients:
+            c.close()
+        logger.warning("overload bursts: %s; RSS after each (MB): %s", counts, [round(r) for r in rss])
+        for c in counts:
+            assert c["other"] == 0 and c["exhausted"] > 0 and c["ok"] >= 16, counts
+        assert max(rss[2:]) < 1.10 * max(rss[:2]), rss
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (server.stats()["admitted"] or server.stats()["kv_usage"]):
+            time.sleep(0.1)
+        assert server.stats()["kv_usage"] == 0.0 and server.stats()["admitted"] == 0
+        with SSDClient(address) as client:
+            assert list(client.complete(prompt, params).token_ids) == ref
+    finally:
+        server.stop()
+        drafter.stop()

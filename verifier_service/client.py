@@ -2,7 +2,9 @@
 
 Every call carries a deadline. UNAVAILABLE (a starting, draining or restarting server) is retried with backoff
 where that is safe: ``complete`` always (it is idempotent for seeded or greedy requests, and a failed call returned
-nothing), ``generate`` only before the first token arrived.
+nothing), ``generate`` only before the first token arrived (a stream cut mid-way raises UNAVAILABLE: resending
+would repeat tokens the caller already has). Backoff doubles from ``backoff_s`` up to ``max_backoff_s``, so the
+default retries ride out a restarting verifier actor (about 15 s in all).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class StreamedGeneration:
 
 
 class SSDClient:
-    def __init__(self, address: str, timeout_s: float = DEFAULT_DEADLINE_S, retries: int = 3,
-                 backoff_s: float = 0.5, token: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float = DEFAULT_DEADLINE_S, retries: int = 6,
+                 backoff_s: float = 0.25, token: str | None = None, tls_ca: str | None = None,
+                 max_backoff_s: float = 4.0) -> None:
         """``token``: bearer token for a server with authentication; ``tls_ca``: PEM of the CA that signed the
         server's certificate (turns on TLS)."""
         self.address = address
@@ -50,6 +53,7 @@ class SSDClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         if tls_ca:
             from pathlib import Path
 
@@ -76,6 +80,9 @@ class SSDClient:
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
+    def _backoff(self, attempt: int) -> None:
+        time.sleep(min(self.max_backoff_s, self.backoff_s * 2**attempt))
+
     def _retrying(self, fn):
         for attempt in range(self.retries + 1):
             try:
@@ -84,7 +91,7 @@ class SSDClient:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise
                 logger.info("server unavailable (%s); retrying", exc.details())
-                time.sleep(self.backoff_s * 2**attempt)
+                self._backoff(attempt)
         raise AssertionError("unreachable")
 
     def complete(self, prompt: str | list[int], params: SamplingParams, request_id: str = "") -> pb.GenerateResult:
@@ -105,7 +112,8 @@ class SSDClient:
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or got_any or attempt == self.retries:
                     raise
-                time.sleep(self.backoff_s * 2**attempt)
+                logger.info("server unavailable (%s); retrying", exc.details())
+                self._backoff(attempt)
             finally:
                 call.cancel()
 

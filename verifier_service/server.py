@@ -422,7 +422,7 @@ class VerifierServer:
             s = proposer.stats
             step_s = eng.metrics.step_s
             out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,
-                       backup_rounds=s.backup, verifier_wait_s=s.wait_s, accepted_histogram=list(s.accepted_hist),
+                       backup_rounds=s.backup, verifier_wait_s=s.wait_s, verifier_max_wait_s=s.max_wait_s, accepted_histogram=list(s.accepted_hist),
                        tokens_per_round_on_hit=s.tokens_on_hit / s.hit_rounds if s.hit_rounds else None,
                        tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
                                                  if s.jit_rounds + s.backup_rounds else None),

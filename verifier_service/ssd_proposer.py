@@ -36,6 +36,8 @@ class SSDStats:
     jit: int = 0
     backup: int = 0
     wait_s: float = 0.0
+    #: The longest single wait for a just-in-time draft (bounded by ``wait_fraction`` × a verify).
+    max_wait_s: float = 0.0
     tokens_on_hit: int = 0
     tokens_on_miss: int = 0
     hit_rounds: int = 0
@@ -171,8 +173,10 @@ class SSDProposer:
                         self.stats.jit += 1
                         self.state[seq.request_id].source = "jit"
                 waiting = still
-            self.stats.wait_s += time.perf_counter() - t0
-            self.stats.jit_wait_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.stats.wait_s += waited
+            self.stats.jit_wait_s += waited
+            self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
         flush = getattr(self.link, "flush", None)
         if flush is not None:  # transports that batch sends deliver them now, before the verify
