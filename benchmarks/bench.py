@@ -8,6 +8,7 @@ with min/max, since this machine is noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -181,6 +182,7 @@ class ModeRunner:
         self.gen = Generator(target, draft, k=settings.k)
         self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.threads = settings.target_threads
+        self.k = settings.k
         self.sd_k = settings.sd_k or settings.k
         self.hf: dict[str, object] = {}
         self.assistant_tokens: int | None = None
@@ -239,20 +241,36 @@ class ModeRunner:
         self.assistant_tokens = best
         logger.info("hf-assisted-tuned: num_assistant_tokens=%d (%.1f tok/s while tuning)", best, best_tps)
 
+    @contextlib.contextmanager
+    def unpinned(self):
+        """This process is only the client of ``ssd-service``: unpin it from the verifier's core (the local ssd
+        mode pins it there), or the client would compete with the verifier actor for one vCPU."""
+        pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
+        try:
+            if pinned is not None:
+                os.sched_setaffinity(0, self.all_cores)
+            yield
+        finally:
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
+
+    def run_concurrent(self, mode: str, prompts: list[str], params: list[SamplingParams], c: int) -> dict:
+        from benchmarks.concurrent import run_concurrent
+
+        if mode == "ssd-service":
+            with self.unpinned():
+                return self.service.run_concurrent(prompts, params, c)
+        ids = [self.gen.encode(p) for p in prompts]
+        k = self.sd_k if mode == "sd" else self.k
+        return run_concurrent(self.gen.pair, mode, ids, params, k, c, self.local_ssd)
+
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         if mode in TWO_THREAD_MODES:
             return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
         if mode == "ssd-service":
-            # This process is only the client here: unpin it from the verifier's core (the local ssd mode pins
-            # it there), or the client would compete with the verifier actor for one vCPU.
-            pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
-            try:
-                if pinned is not None:
-                    os.sched_setaffinity(0, self.all_cores)
+            self.service.configure(adaptive=False)
+            with self.unpinned():
                 result, extra = self.service.run(prompt, params)
-            finally:
-                if pinned is not None:
-                    os.sched_setaffinity(0, pinned)
             self.ssd_extra[mode].append(extra)
             return result
         if mode == "ssd":
@@ -289,6 +307,14 @@ class ModeRunner:
                                 stats=stats, ttft_s=ttft, emit_times=[])
 
 
+def progress(total: int, desc: str):
+    """A progress bar on stderr (tqdm; plain lines when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"bench {desc}", unit="run", file=sys.stderr, mininterval=1.0,
+                dynamic_ncols=True, leave=True)
+
+
 def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
               summary: bool = True) -> dict:
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
@@ -312,24 +338,25 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
         runs = {m: ModeRuns.empty() for m in settings.modes}
         runner.ssd_extra = {"ssd": [], "ssd-service": []}
         reference: dict[tuple[int, int], list[int]] = {}
-        for pi, prompt in enumerate(prompts):
-            for rep in range(settings.repeats):
-                order = settings.modes[rep % len(settings.modes):] + settings.modes[: rep % len(settings.modes)]
-                for mode in order:
-                    params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
-                                            ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
-                    res = runner.run(mode, prompt, params)
-                    r = runs[mode]
-                    r.stats.merge(res.stats)
-                    if res.stats.tokens_per_s:
-                        r.per_run_tps.append(res.stats.tokens_per_s)
-                    r.ttfts.append(res.ttft_s)
-                    r.itls.extend(_itls(res))
-                    r.outputs[(pi, rep)] = res.token_ids
-            sys.stderr.write(f"\rbench T={temp}: prompt {pi + 1}/{len(prompts)}")
-        sys.stderr.write("\n")
+        total = len(prompts) * settings.repeats * len(settings.modes) if 1 in settings.concurrency else 0
+        with progress(total, f"T={temp} concurrency 1") as bar:
+            for pi, prompt in enumerate(prompts if total else []):
+                for rep in range(settings.repeats):
+                    order = settings.modes[rep % len(settings.modes):] + settings.modes[: rep % len(settings.modes)]
+                    for mode in order:
+                        params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
+                                                ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
+                        res = runner.run(mode, prompt, params)
+                        r = runs[mode]
+                        r.stats.merge(res.stats)
+                        if res.stats.tokens_per_s:
+                            r.per_run_tps.append(res.stats.tokens_per_s)
+                        r.ttfts.append(res.ttft_s)
+                        r.itls.extend(_itls(res))
+                        r.outputs[(pi, rep)] = res.token_ids
+                        bar.update()
         if temp == 0:
-            if "ar" in runs:
+            if "ar" in runs and runs["ar"].outputs:
                 reference = runs["ar"].outputs
             else:
                 reference = {(pi, rep): gen.generate(p, SamplingParams(max_new_tokens=settings.max_new_tokens,
@@ -352,25 +379,22 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     return report
 
 
-BATCHED_MODES = ("ar", "sd", "ssd")
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-service")
 
 
 def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[str], temp: float, c: int,
                      reference: dict) -> list[dict]:
     """Every batched mode at concurrency ``c`` over all prompts (repeats rotate the mode order)."""
-    from benchmarks.concurrent import run_concurrent
-
     modes = [m for m in settings.modes if m in BATCHED_MODES]
-    ids = [runner.gen.encode(p) for p in prompts]
     acc: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(settings.repeats):
-        params = [SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
-                                 ignore_eos=settings.ignore_eos, seed=1000 * pi + rep) for pi in range(len(prompts))]
-        for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
-            k = (settings.sd_k or settings.k) if mode == "sd" else settings.k
-            acc[mode].append(run_concurrent(runner.gen.pair, mode, ids, params, k, c, runner.local_ssd))
-        sys.stderr.write(f"\rbench T={temp} concurrency {c}: pass {rep + 1}/{settings.repeats}")
-    sys.stderr.write("\n")
+    with progress(settings.repeats * len(modes), f"T={temp} concurrency {c}") as bar:
+        for rep in range(settings.repeats):
+            params = [SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
+                                     ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
+                      for pi in range(len(prompts))]
+            for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
+                acc[mode].append(runner.run_concurrent(mode, prompts, params, c))
+                bar.update()
     rows = []
     for mode, runs in acc.items():
         tps = [r["tokens_per_s"] for r in runs]
@@ -389,7 +413,8 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
             "acceptance_by_position": None,
             "cache_hit_rate": _mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
             "verifier_idle_fraction": None, "link_bytes_per_round": None,
-            "batching": f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else ""),
+            "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else "")
+                         + (f", {c} streaming gRPC clients" if mode == "ssd-service" else "")),
             "mean_batch_k": _mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
             "num_runs": len(runs),
             "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,

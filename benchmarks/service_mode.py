@@ -1,11 +1,17 @@
 """Bench mode ``ssd-service``: SSD through the real service (Ray-placed drafter and verifier, gRPC between them
-and to this client). Timing is what the client observes: each token is stamped when its delta arrives here."""
+and to this client). Timing is what the client observes: each token is stamped when its delta arrives here.
+
+At concurrency 1 the service runs at a fixed K, like the local ``ssd`` mode; at concurrency > 1 it is relaunched
+with adaptive K (what ``ssd serve`` runs by default, and what the batched local modes use), and ``c`` streaming
+clients keep ``c`` requests in flight."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from spec_core.api import GenerationResult
 from spec_core.config import SamplingParams
@@ -18,15 +24,27 @@ class ServiceMode:
     def __init__(self, target_path: str, draft_path: str, k: int) -> None:
         import ray
 
-        from cluster.launch import PairConfig, launch
-        from verifier_service.client import SSDClient
-
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        # fixed K, like the local ssd mode it is compared with
-        self.deployment = launch(PairConfig(target_path, draft_path, k=k, port=0, adaptive_k=False))
+        self.paths, self.k = (target_path, draft_path), k
+        self.adaptive: bool | None = None
+        self.deployment = self.client = None
+        self.configure(adaptive=False)
+
+    def configure(self, adaptive: bool) -> None:
+        """(Re)launch the pair with or without adaptive K; a no-op when it already runs that way."""
+        from cluster.launch import PairConfig, launch
+        from verifier_service.client import SSDClient
+
+        if self.adaptive == adaptive:
+            return
+        if self.deployment is not None:
+            self.client.close()
+            self.deployment.shutdown(grace_s=5)
+        self.deployment = launch(PairConfig(*self.paths, k=self.k, port=0, adaptive_k=adaptive))
         self.client = SSDClient(self.deployment.address)
+        self.adaptive = adaptive
 
     def _counters(self) -> dict:
         return json.loads(self.client.stats().json)
@@ -60,6 +78,49 @@ class ServiceMode:
         result = GenerationResult("ssd-service", [], tokens, final.text, final.finish_reason, stats,
                                   stats.prefill_s, times)
         return result, extra
+
+    def run_concurrent(self, prompts: list[str], params: list[SamplingParams], concurrency: int) -> dict:
+        """Every prompt through the service with ``concurrency`` streaming clients; the same result keys as
+        :func:`benchmarks.concurrent.run_concurrent` (aggregate tokens/s over the wall time of the whole set)."""
+        self.configure(adaptive=True)
+        n = len(prompts)
+        outputs: list[list[int]] = [[] for _ in range(n)]
+        times: list[list[float]] = [[] for _ in range(n)]
+        finals: list[object] = [None] * n
+        local = threading.local()
+
+        def one(i: int) -> None:
+            if not hasattr(local, "client"):
+                from verifier_service.client import SSDClient
+
+                local.client = SSDClient(self.deployment.address)
+            for resp in local.client.generate(prompts[i], params[i]):
+                if resp.WhichOneof("kind") == "delta":
+                    outputs[i].extend(resp.delta.token_ids)
+                    times[i].extend([time.perf_counter()] * len(resp.delta.token_ids))
+                else:
+                    finals[i] = resp.final
+
+        before = self._counters()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, range(n)))
+        wall = time.perf_counter() - t0
+        after = self._counters()
+        rounds = sum(f.stats.num_rounds for f in finals)
+        drafted, accepted = sum(f.stats.num_drafted for f in finals), sum(f.stats.num_accepted for f in finals)
+        ssd_rounds = after.get("ssd_rounds", 0) - before.get("ssd_rounds", 0)
+        return {
+            "tokens_per_s": sum(map(len, outputs)) / wall,
+            "ttfts": [t[0] - t0 for t in times if t],
+            "itls": [b - a for t in times for a, b in zip(t, t[1:])],
+            "outputs": outputs,
+            "mean_tokens_per_round": accepted / rounds + 1 if rounds else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "num_generated": sum(map(len, outputs)),
+            "cache_hit_rate": (after["ssd_hits"] - before["ssd_hits"]) / ssd_rounds if ssd_rounds else None,
+            "mean_batch_k": None,
+        }
 
     def close(self) -> None:
         import ray
