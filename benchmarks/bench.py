@@ -316,18 +316,19 @@ def progress(total: int, desc: str):
 
 
 def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
-              summary: bool = True) -> dict:
-    """Run every (mode, temperature) on every prompt, interleaved; return the report dict."""
+              summary: bool = True, on_block=None) -> dict:
+    """Run every (mode, temperature) on every prompt, interleaved; return the report dict. ``on_block(report)``
+    gets the report so far after each (temperature, concurrency) block."""
     set_threads(settings.target_threads)
     runner = ModeRunner(settings, target, draft)
     try:
-        return _run_all(settings, runner, target, draft, summary)
+        return _run_all(settings, runner, target, draft, summary, on_block)
     finally:
         runner.close()
 
 
 def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None,
-             summary: bool = True) -> dict:
+             summary: bool = True, on_block=None) -> dict:
     gen = runner.gen
     prompts = _prompts(settings)
     for mode in settings.modes:  # warm-up
@@ -365,18 +366,27 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
         if 1 in settings.concurrency:
             results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
                            for m in settings.modes)
+            if on_block is not None:
+                on_block(_report(settings, runner, target, draft, results))
         for c in (c for c in settings.concurrency if c > 1):
             results.extend(_run_concurrency(settings, runner, prompts, temp, c, reference))
-    report = {
+            if on_block is not None:
+                on_block(_report(settings, runner, target, draft, results))
+    report = _report(settings, runner, target, draft, results)
+    if summary:
+        print_summary(report)
+    return report
+
+
+def _report(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None,
+            results: list[dict]) -> dict:
+    return {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
                      "hf_assisted_tuned_num_assistant_tokens": runner.assistant_tokens,
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
-        "results": results,
+        "results": list(results),
     }
-    if summary:
-        print_summary(report)
-    return report
 
 
 BATCHED_MODES = ("ar", "sd", "ssd", "ssd-service")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,14 +86,9 @@ class ServiceMode:
         outputs: list[list[int]] = [[] for _ in range(n)]
         times: list[list[float]] = [[] for _ in range(n)]
         finals: list[object] = [None] * n
-        local = threading.local()
 
-        def one(i: int) -> None:
-            if not hasattr(local, "client"):
-                from verifier_service.client import SSDClient
-
-                local.client = SSDClient(self.deployment.address)
-            for resp in local.client.generate(prompts[i], params[i]):
+        def one(i: int) -> None:  # one channel, ``concurrency`` HTTP/2 streams in flight on it
+            for resp in self.client.generate(prompts[i], params[i]):
                 if resp.WhichOneof("kind") == "delta":
                     outputs[i].extend(resp.delta.token_ids)
                     times[i].extend([time.perf_counter()] * len(resp.delta.token_ids))

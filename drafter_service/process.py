@@ -11,6 +11,8 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -38,12 +40,27 @@ class PipeLink:
     Speculations (bundles, JIT drafts) travel as ``ssd.v1`` protobuf bytes through the same codec as gRPC, so
     sampled probability rows go sparse (a few KB instead of MBs of pickled dense rows); events travel pickled.
     ``vocab_size`` must be set on the receiving (verifier) end.
+
+    ``send`` never blocks: messages are encoded by the caller and written by this end's writer thread, in order.
+    Both loops send and receive; with blocking writes, each side could fill the other's pipe buffer while it is
+    itself blocked writing, and neither would ever read again (seen at concurrency 16, sampled, where bundles
+    carry probability rows).
     """
 
     def __init__(self, conn, vocab_size: int | None = None) -> None:
         self.conn = conn
         self.vocab_size = vocab_size
         self.bytes_sent = 0
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="pipe-writer", daemon=True)
+        self._writer.start()
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except OSError:  # the other end is gone (shutdown or crash); the reader side reports it
+                return
 
     def send(self, msg: object) -> None:
         if isinstance(msg, (BranchBundle, SpeculationMsg)):
@@ -51,9 +68,9 @@ class PipeLink:
 
             data = message_to_pb(msg).SerializeToString()
             self.bytes_sent += len(data)
-            self.conn.send_bytes(b"P" + data)
+            self._outbox.put(b"P" + data)
         else:
-            self.conn.send_bytes(b"O" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self._outbox.put(b"O" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         return self.conn.poll(timeout)
@@ -68,7 +85,10 @@ class PipeLink:
             return message_from_pb(ssd_pb2.DrafterMessage.FromString(data[1:]), self.vocab_size)
         return pickle.loads(data[1:])
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued (up to ``timeout_s``), then close."""
+        self._outbox.put(None)
+        self._writer.join(timeout_s)
         self.conn.close()
 
 

@@ -38,6 +38,9 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # never answer a client's keepalive pings with GOAWAY "too_many_pings" (seen with many channels to one
+        # server: in-flight streams would end UNAVAILABLE)
+        ("grpc.http2.max_ping_strikes", 0),
         *_KEEPALIVE,
     ]
 

@@ -172,7 +172,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         report = {"sweep": run_sweep(settings, *_model_configs(args, need_draft=True))}
     else:
-        report = run_bench(settings, *_model_configs(args, need_draft=True))
+        def save_partial(partial: dict) -> None:  # a long run that dies keeps what it measured
+            if args.out:
+                import json
+
+                Path(args.out).write_text(json.dumps({**partial, "partial": True}, indent=2))
+
+        report = run_bench(settings, *_model_configs(args, need_draft=True), on_block=save_partial)
         if args.plots:
             from benchmarks.plots import write_plots
 

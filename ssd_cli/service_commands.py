@@ -57,13 +57,14 @@ def add_parsers(sub) -> None:
     g.add_argument("--logprobs", action="store_true")
     g.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     g.add_argument("--json", action="store_true", help="print the same JSON object as `ssd generate --json`")
-    for p in (g,):
-        p.add_argument("--token-file", help="bearer token file (servers started with --auth-token-file)")
-        p.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's TLS certificate")
     st = csub.add_parser("stats", help="print the server's counters as JSON")
     st.add_argument("--address", default="127.0.0.1:50051")
-    st.add_argument("--token-file")
-    st.add_argument("--tls-ca")
+    for p in (g, st):
+        p.add_argument("--token-file", help="bearer token file (servers started with --auth-token-file)")
+        p.add_argument("--tls-ca", help="CA certificate (PEM) that signed the server's TLS certificate")
+        p.add_argument("--retries", type=int, default=6,
+                       help="retries on UNAVAILABLE (a restarting or draining server), with capped backoff; a "
+                            "stream is retried only before its first token")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -122,7 +123,10 @@ def _client(args: argparse.Namespace, **kw):
     from protos.security import read_secret
     from verifier_service.client import SSDClient
 
-    return SSDClient(args.address, token=read_secret(args.token_file), tls_ca=args.tls_ca, **kw)
+    if args.retries < 0:
+        raise CliError("--retries must be >= 0")
+    return SSDClient(args.address, token=read_secret(args.token_file), tls_ca=args.tls_ca, retries=args.retries,
+                     **kw)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
