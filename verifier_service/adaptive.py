@@ -1,10 +1,13 @@
 """Adaptive speculation: pick K per step (for the batch) and per request from measured costs, down to 0.
 
-Cost model: the verifier's forward time is fitted online as T(n) = t0 + t1·n over the tokens n of each step
-(exponentially weighted least squares, so it follows load changes). With b requests in a step,
-V(K) = T(b·(K+1)) / T(b) is the cost of verifying K drafted tokens per request relative to plain decoding, and
-:func:`drafter_service.policy.best_k` maximises E(a, K) / (V(K) + K·c) over K in 0..k_max, where ``c`` is the
-drafting cost per token in units of T(b) (0 for SSD, whose drafter runs on its own device). Acceptance ``a`` is
+Cost model: the engine's whole step time (proposing, verifying, tree bookkeeping and rejection, not just the
+forward) is fitted online as T(n) = t0 + t1·n over the tokens n of each step (exponentially weighted least
+squares, so it follows load changes). With b requests in a step, V(K) = T(b·(K+1)) / T(b) is the cost of a step
+with K drafted tokens per request relative to plain decoding, and :func:`drafter_service.policy.best_k`
+maximises E(a, K) / (V(K) + K·c) over K in 0..k_max. Because drafting is inside the measured step (an in-process
+SD drafter; SSD's waits and bundle handling), ``c`` is 0 by default; a caller that measures drafting elsewhere may
+set it. Fitting the forward alone ignored per-token costs outside it, which on small models are most of a step,
+and kept K too high at concurrency 16. Acceptance ``a`` is
 estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. K = 0 means plain
 decoding for that request; it re-probes speculation every ``probe_every`` rounds so a request whose text turns
 predictable gets K back.
@@ -55,7 +58,7 @@ class LinearCost:
 @dataclass(slots=True)
 class AdaptiveK:
     k_max: int
-    draft_cost: float = 0.0  # c: drafting time per token / T(batch); 0 when the drafter has its own device
+    draft_cost: float = 0.0  # c: drafting time per token / T(batch) not already inside the measured step
     prior_a: float = 0.7
     prior_weight: float = 8.0
     probe_every: int = 16

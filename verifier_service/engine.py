@@ -180,8 +180,6 @@ class VerifierEngine:
             time.sleep(self.config.verify_delay_s)
         forward_s = time.perf_counter() - t_f
         self.metrics.forward_s += forward_s
-        if self.adaptive is not None:
-            self.adaptive.cost.observe(sum(len(it.token_ids) for it in items), forward_s)
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s)
         finished = []
@@ -198,7 +196,10 @@ class VerifierEngine:
         m.num_steps += 1
         m.batch_sizes.append(len(work))
         m.kv_usage.append(self.blocks.usage)
-        m.step_s += time.perf_counter() - t_step
+        step_s = time.perf_counter() - t_step
+        m.step_s += step_s
+        if self.adaptive is not None:  # the whole step: drafting, tree handling and rejection cost what K costs
+            self.adaptive.cost.observe(sum(len(it.token_ids) for it in items), step_s)
         return finished
 
     def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> None:
