@@ -47,7 +47,7 @@ def _run(target, cfg: LocalSSDConfig, prompts, n_new: int):
 
 REGIMES = {
     # the target as its own drafter with a slow verifier: (nearly) every round hits
-    "all_hits": dict(draft="llama", verify_delay_s=0.05),
+    "all_hits": dict(draft="llama", verify_delay_s=0.15),
     # a drafter that drops its cache: every round misses and is drafted just in time
     "forced_miss": dict(draft="llama-draft", verify_delay_s=0.05, drop_cache=True),
     # a drafter far too slow: the verifier falls back to the n-gram backup
