@@ -48,6 +48,15 @@ class ServiceMode:
     def _counters(self) -> dict:
         return json.loads(self.client.stats().json)
 
+    @staticmethod
+    def _delta(before: dict, after: dict) -> dict:
+        """What the service did between two ``GetStats`` snapshots: rounds, hit rate, link bytes, verifier wait."""
+        d = {k: after.get(k, 0) - before.get(k, 0)
+             for k in ("ssd_rounds", "ssd_hits", "link_bytes_sent", "link_bytes_received", "verifier_wait_s")}
+        rounds = d["ssd_rounds"]
+        return {"rounds": rounds, "cache_hit_rate": d["ssd_hits"] / rounds if rounds else None,
+                "link_bytes": d["link_bytes_sent"] + d["link_bytes_received"], "wait_s": d["verifier_wait_s"]}
+
     def run(self, prompt: str, params: SamplingParams) -> tuple[GenerationResult, dict]:
         before = self._counters()
         t0 = time.perf_counter()
@@ -66,13 +75,11 @@ class ServiceMode:
         stats = DecodeStats(num_generated=len(tokens), num_rounds=s.num_rounds, num_drafted=s.num_drafted,
                             num_accepted=s.num_accepted, prefill_s=times[0] - t0 if times else 0.0,
                             decode_s=times[-1] - times[0] if len(times) > 1 else 0.0)
-        rounds = after.get("ssd_rounds", 0) - before.get("ssd_rounds", 0)
-        link = sum(after.get(k, 0) - before.get(k, 0) for k in ("link_bytes_sent", "link_bytes_received"))
-        wait = after.get("verifier_wait_s", 0.0) - before.get("verifier_wait_s", 0.0)
+        d = self._delta(before, after)
         extra = {
-            "cache_hit_rate": (after["ssd_hits"] - before["ssd_hits"]) / rounds if rounds else None,
-            "verifier_idle_fraction": wait / stats.decode_s if stats.decode_s else None,
-            "link_bytes_per_round": link / rounds if rounds else None,
+            "cache_hit_rate": d["cache_hit_rate"],
+            "verifier_idle_fraction": d["wait_s"] / stats.decode_s if stats.decode_s else None,
+            "link_bytes_per_round": d["link_bytes"] / d["rounds"] if d["rounds"] else None,
         }
         result = GenerationResult("ssd-service", [], tokens, final.text, final.finish_reason, stats,
                                   stats.prefill_s, times)
@@ -103,7 +110,6 @@ class ServiceMode:
         after = self._counters()
         rounds = sum(f.stats.num_rounds for f in finals)
         drafted, accepted = sum(f.stats.num_drafted for f in finals), sum(f.stats.num_accepted for f in finals)
-        ssd_rounds = after.get("ssd_rounds", 0) - before.get("ssd_rounds", 0)
         return {
             "tokens_per_s": sum(map(len, outputs)) / wall,
             "ttfts": [t[0] - t0 for t in times if t],
@@ -112,7 +118,7 @@ class ServiceMode:
             "mean_tokens_per_round": accepted / rounds + 1 if rounds else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "num_generated": sum(map(len, outputs)),
-            "cache_hit_rate": (after["ssd_hits"] - before["ssd_hits"]) / ssd_rounds if ssd_rounds else None,
+            "cache_hit_rate": self._delta(before, after)["cache_hit_rate"],
             "mean_batch_k": None,
         }
 

@@ -59,10 +59,8 @@ class DrafterActor:
                                             else config.device))
         self.server.start()
 
-    def start(self) -> str:
-        return self.server.address
-
     def address(self) -> str:
+        """The drafter's gRPC address (the server already runs; awaiting this awaits readiness)."""
         return self.server.address
 
     def pid(self) -> int:
@@ -83,8 +81,7 @@ class VerifierActor:
     address, and serves. Streams in flight when it died end with UNAVAILABLE at the client."""
 
     def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter: str | None = None,
-                 drafter_address: str | None = None, connect_timeout_s: float = 300.0,
-                 namespace: str | None = None) -> None:
+                 connect_timeout_s: float = 300.0, namespace: str | None = None) -> None:
         """``drafter``: the drafter actor's name (in ``namespace``), asked for its current address now and whenever
         the link must be re-established (after a drafter restart). A name, not a handle: a restartable actor's
         constructor arguments must stay valid for its whole life."""
@@ -92,15 +89,15 @@ class VerifierActor:
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         self.server = VerifierServer(replace(config, host=host,
                                              device=device if config.device == "auto" else config.device))
-        resolver = None
+        resolver, drafter_address = None, None
         if drafter is not None and config.mode == "ssd":
             handle = ray.get_actor(drafter, namespace=namespace)
             resolver = lambda: ray.get(handle.address.remote(), timeout=10)  # noqa: E731
             drafter_address = ray.get(handle.address.remote(), timeout=connect_timeout_s)
         self.server.start(drafter_address, resolver)
 
-    def start(self, drafter_address: str | None = None) -> str:
-        """The public address (the server already runs; kept for callers that await readiness with it)."""
+    def address(self) -> str:
+        """The public address (the server already runs; awaiting this awaits readiness)."""
         return self.server.address
 
     def pid(self) -> int:

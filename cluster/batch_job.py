@@ -17,7 +17,7 @@ import ray
 
 from cluster.launch import PairConfig, launch
 from protos.ssd.v1 import ssd_pb2 as pb
-from verifier_service.batch import BatchSettings, read_requests
+from verifier_service.batch_requests import BatchSettings
 from verifier_service.client import SSDClient
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,9 @@ def result_row(rid: str, res: pb.GenerateResult) -> dict:
             "num_rounds": s.num_rounds, "mean_tokens_per_round": s.mean_tokens_per_round or None}
 
 
-def run_batch_on_ray(address: str | None, input_path: Path, output_path: Path, settings: BatchSettings,
+def run_batch_on_ray(address: str | None, rows: list, output_path: Path, settings: BatchSettings,
                      target_path: str, draft_path: str) -> dict:
-    rows = read_requests(input_path, settings.max_new_tokens)
+    """``rows``: the requests from :func:`verifier_service.batch_requests.read_requests`."""
     ray.init(address=address or "auto", logging_level=logging.WARNING)
     cfg = PairConfig(target_path, draft_path, k=settings.k, host="node-ip", port=0,
                      max_num_seqs=settings.concurrency, max_queue=max(64, settings.concurrency))

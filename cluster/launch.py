@@ -2,8 +2,8 @@
 
 Order: create one placement group with one bundle per actor ({"GPU": 1, "CPU": 1} each when the cluster has at
 least two GPUs, else {"CPU": 1} each) and wait for it with a timeout (an infeasible group, e.g. STRICT_SPREAD on
-one node, stays PENDING forever); start the drafter; give its address to the verifier, which connects and
-handshakes; health-check both servers; only then report the public address.
+one node, stays PENDING forever); start the drafter (a named actor) and the verifier, which looks the drafter up
+by name, connects and handshakes; health-check both servers; only then report the public address.
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     if not own:
         pg = None  # not ours to remove
     try:
-        d_addr = ray.get(drafter.start.remote(), timeout=cfg.start_timeout_s)
+        d_addr = ray.get(drafter.address.remote(), timeout=cfg.start_timeout_s)
         check_health(d_addr, "ssd.v1.Drafter")
-        address = ray.get(verifier.start.remote(d_addr), timeout=cfg.start_timeout_s)
+        address = ray.get(verifier.address.remote(), timeout=cfg.start_timeout_s)
         check_health(address, "ssd.v1.Generation")
     except BaseException:
         release(pg, (verifier, drafter))

@@ -1,25 +1,36 @@
-"""Configuration as frozen dataclasses. Each validates itself and raises ``ValueError`` naming the bad value."""
+"""Configuration as frozen dataclasses. Each validates itself and raises ``ValueError`` naming the bad value.
+
+Imports no torch at module level, so the CLI validates flags and input files before paying for torch.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Mode = Literal["ar", "sd", "ssd"]
 MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def check_dtype(name: str) -> str:
+    """The canonical dtype name for ``name`` (``ValueError`` if unknown)."""
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, check_dtype(name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +42,7 @@ class ModelConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        check_dtype(self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,41 +6,16 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from spec_core.config import ModelConfig
+from spec_core.model_paths import ModelLoadError, assets_dir, check_model_dir, default_pair  # noqa: F401
 from spec_core.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-class ModelLoadError(ValueError):
-    """A model folder is missing, malformed, or incompatible with its partner."""
-
-
-def assets_dir() -> Path:
-    return Path(str(resources.files("spec_core") / "assets"))
-
-
-def default_pair() -> dict[str, str]:
-    """Paths of the shipped target/draft pair (HF folders installed as package data)."""
-    base = assets_dir() / "models"
-    return {"target": str(base / "target"), "draft": str(base / "draft")}
-
-
-def check_model_dir(path: str | Path) -> Path:
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelLoadError(f"model path not found: {p}")
-    if not (p / "config.json").is_file():
-        raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {p}")
-    if not any(p.glob("*.safetensors")):
-        raise ModelLoadError(f"no .safetensors weights in {p}")
-    return p
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_core.models import assets_dir
+from spec_core.model_paths import assets_dir
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:

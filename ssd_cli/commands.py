@@ -13,13 +13,25 @@ logger = logging.getLogger("ssd")
 
 
 def _model_configs(args: argparse.Namespace, need_draft: bool):
+    """The target (and draft) configs from flags, their folders checked: cheap, before torch is imported."""
     from spec_core.config import ModelConfig
-    from spec_core.models import default_pair
+    from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
     draft = ModelConfig(args.draft or pair["draft"], dtype=args.dtype, device=args.device) if need_draft else None
+    for cfg in (target, draft):
+        if cfg is not None:
+            check_model_dir(cfg.path)
+    quiet_transformers()
     return target, draft
+
+
+def quiet_transformers() -> None:
+    """No weight-loading progress bars from transformers (imports it: call once models are about to load)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _sampling(args: argparse.Namespace):
@@ -52,9 +64,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spec_core.api import Generator
     from spec_core.config import MODES
-    from spec_core.models import set_threads
 
     if args.mode not in MODES:
         raise CliError(f"unknown --mode {args.mode!r}; choose one of {', '.join(MODES)}")
@@ -62,8 +72,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     if args.k < 0:
         raise CliError(f"--k must be >= 0, got {args.k}")
-    set_threads(args.threads)
     target, draft = _model_configs(args, need_draft=args.mode != "ar")
+    from spec_core.api import Generator  # torch and transformers: only once the flags are known to be good
+    from spec_core.models import set_threads
+
+    set_threads(args.threads)
     gen = Generator(target, draft, k=args.k)
     extra: dict = {}
     if args.mode == "ssd":
@@ -82,24 +95,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     import os
 
-    from spec_core.models import check_model_dir, load_pair, set_threads
-    from verifier_service.batch import BatchSettings, run_batch
+    from verifier_service.batch_requests import BatchSettings, read_requests
 
+    requests = read_requests(Path(args.input), args.max_new_tokens)  # a bad file fails before any load
     target, draft = _model_configs(args, need_draft=args.mode in ("sd", "ssd"))
     settings = BatchSettings(mode=args.mode, concurrency=args.concurrency, k=args.k, branching=args.branching,
                              max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks,
                              draft_path=draft.path if draft else None)
-    set_threads(args.threads)
     ray_address = args.address or os.environ.get("RAY_ADDRESS")
     if args.mode == "ssd" and ray_address and not args.local:
         from cluster.batch_job import run_batch_on_ray
 
-        check_model_dir(target.path)
-        check_model_dir(draft.path)
-        summary = run_batch_on_ray(ray_address, Path(args.input), Path(args.output), settings, target.path,
-                                   draft.path)
+        summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, target.path, draft.path)
     else:
-        summary = run_batch(load_pair(target, draft), Path(args.input), Path(args.output), settings)
+        from spec_core.models import load_pair, set_threads
+        from verifier_service.batch import run_batch
+
+        set_threads(args.threads)
+        summary = run_batch(load_pair(target, draft), requests, Path(args.output), settings)
     logger.info("batch: %s", summary)
     sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
                      f"{summary['wall_s']:.1f}s ({summary['tokens_per_s']:.1f} tok/s)\n")
@@ -126,13 +139,14 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from spec_core.models import default_pair
+    from spec_core.model_paths import default_pair
 
     print_json(default_pair())
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    quiet_transformers()
     from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
     from spec_core.models import default_pair, set_threads

@@ -147,9 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
         return _dispatch()[args.command](args)
     except (CliError, ValueError) as exc:
         print(f"ssd: error: {exc}", file=sys.stderr)
