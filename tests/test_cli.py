@@ -70,6 +70,20 @@ def test_bad_values(flags, needle):
     assert_one_line_error(ssd("generate", "--prompt", "x", *flags), needle)
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "x", "--temperature", "-1"],
+    ["generate", "--prompt", "x", "--target", "/no/such/model"],
+    ["batch", "--input", "/no/such/file.jsonl", "--output", "/tmp/never.jsonl"],
+])
+def test_bad_input_fails_before_torch_is_imported(argv):
+    """Flags, model paths and input files are checked first: an error costs a fraction of a second, not a load."""
+    code = ("import sys; from ssd_cli.main import main; rc = main(sys.argv[1:]); "
+            "sys.exit(rc if 'torch' not in sys.modules and 'transformers' not in sys.modules else 99)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("ssd: error:"), proc.stderr
+
+
 def test_missing_prompt_and_file():
     assert_one_line_error(ssd("generate"), "prompt")
     assert_one_line_error(ssd("generate", "--prompt-file", "/no/such/file"), "not found")
