@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_core.block_manager import BlockManager, NoFreeBlocks
-from spec_core.packing import WorkItem, pack, reconcile_tree_slots
+from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
@@ -112,7 +112,7 @@ class BatchDrafter:
             slots = self._slots(s)
             items.append(WorkItem(slots(0, c), s.token_ids[c:], list(range(c, ni)), slots(c, ni), ni - c, [],
                                   [ni - c - 1]))
-        logits = self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
+        logits = forward_items(self.runner, self.cache, items)
         for s, ni in zip(seqs, n):
             self.num_computed[s.request_id] = ni
         probs, picks = self._sample(seqs, logits, b, root=True)
@@ -134,7 +134,7 @@ class BatchDrafter:
                     extra_slots=[slots(ni + e, ni + e + 1)[0] for e in earlier],
                     extra_mask=extra_mask.view(b, len(earlier)),
                 ))
-            logits = self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
+            logits = forward_items(self.runner, self.cache, items)
             sub = [seqs[i] for i in live]
             probs, picks = self._sample(sub, logits, b, root=False)
             for j, i in enumerate(live):

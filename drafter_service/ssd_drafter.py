@@ -28,7 +28,7 @@ import torch
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
 from drafter_service.fanout import FanoutConfig, fanout_for
 from spec_core.block_manager import BlockManager
-from spec_core.packing import WorkItem, pack
+from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.sequence import Sequence
@@ -130,7 +130,7 @@ class SSDDrafter:
         return toks, q_prime
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
-        return self.runner.forward_paged(self.cache, pack(items, self.cache.scratch_slot))
+        return forward_items(self.runner, self.cache, items)
 
     # ---- just-in-time drafting ------------------------------------------------------------------------------
     def draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_core.runner import PagedBatch
+from spec_core.runner import ModelRunner, PagedBatch, PagedKVCache
 
 
 @dataclass(slots=True)
@@ -93,6 +93,62 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         attn_mask=attn_mask.to(device),
         logits_index=logits_index.to(device),
     )
+
+
+def split_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
+    """Partition item indices into forward groups minimising padded work: Σ_g (items_g · longest_g) + overhead · groups.
+
+    A padded batch costs every row the longest row's tokens, so one 200-token prompt joining fifteen 4-token
+    verifications would make all sixteen rows 200 tokens long. ``overhead`` is a forward's fixed cost in tokens.
+    Optimal over contiguous runs of the length-sorted items (dynamic programming over distinct lengths).
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    runs: list[list[int]] = []  # items of equal length stay together
+    for i in order:
+        if runs and lengths[runs[-1][0]] == lengths[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    m = len(runs)
+    best = [0.0] + [float("inf")] * m  # best[j]: cost of runs[:j]
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        count = 0
+        for i in range(j, 0, -1):  # the last group is runs[i-1 : j]
+            count += len(runs[i - 1])
+            c = best[i - 1] + count * lengths[runs[j - 1][0]] + overhead
+            if c < best[j]:
+                best[j], cut[j] = c, i - 1
+    groups, j = [], m
+    while j > 0:
+        groups.append([x for r in runs[cut[j]:j] for x in r])
+        j = cut[j]
+    return groups[::-1]
+
+
+def default_group_overhead(device: torch.device) -> int:
+    """A forward's fixed cost in tokens: small on CPUs (cost grows with tokens), large on GPUs (launch-bound)."""
+    return 16 if device.type == "cpu" else 512
+
+
+def forward_items(runner: ModelRunner, cache: PagedKVCache, items: list[WorkItem],
+                  overhead: int | None = None) -> torch.Tensor:
+    """``runner.forward_paged`` over ``items``, split into groups of similar length (:func:`split_by_length`);
+    the same result as one packed forward: logits ``[B, L, V]`` (rows of an item past its ``logits_rows`` are
+    padding). Items touch disjoint slots, so the groups may run one after another."""
+    if overhead is None:
+        overhead = default_group_overhead(runner.device)
+    groups = split_by_length([len(it.token_ids) for it in items], overhead)
+    if len(groups) == 1:
+        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device))
+    l_max = max(1, max(len(it.logits_rows) for it in items))
+    out = None
+    for g in groups:
+        logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device))
+        if out is None:
+            out = logits.new_zeros(len(items), l_max, logits.shape[-1])
+        out[torch.tensor(g, device=logits.device), : logits.shape[1]] = logits
+    return out
 
 
 def reconcile_tree_slots(slots_of_position, n: int, path: list[int]) -> tuple[list[int], list[int]]:

@@ -20,7 +20,7 @@ import torch
 
 from spec_core.block_manager import BlockManager
 from spec_core.decoding import DecodeStats
-from spec_core.packing import WorkItem, pack, reconcile_tree_slots
+from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs
 from spec_core.sequence import Sequence
@@ -42,6 +42,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     #: Test hook: seconds added to every target forward (emulates a slower verifier).
     verify_delay_s: float = 0.0
+    #: A forward's fixed cost in tokens, for splitting a step into groups of similar length (None: by device;
+    #: see :func:`spec_core.packing.split_by_length`). A prompt chunk joining short verifications runs apart.
+    group_overhead_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -173,9 +176,8 @@ class VerifierEngine:
             self.metrics.draft_s += time.perf_counter() - t_d
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         items = [self._item(w, trees.get(w.seq.request_id, empty) if w.speculate else None) for w in work]
-        batch = pack(items, self.cache.scratch_slot)
         t_f = time.perf_counter()
-        logits = self.runner.forward_paged(self.cache, batch)
+        logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)
         forward_s = time.perf_counter() - t_f
