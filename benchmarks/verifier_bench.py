@@ -15,7 +15,8 @@ from spec_core.config import ModelConfig, SamplingParams
 from spec_core.models import load_pair, set_threads
 from spec_core.prompts import humaneval_prompts
 from spec_core.sequence import Sequence
-from verifier_service.batch import BatchSettings, build_engine
+from verifier_service.batch import build_engine
+from verifier_service.batch_requests import BatchSettings
 
 logger = logging.getLogger(__name__)
 

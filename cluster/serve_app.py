@@ -42,7 +42,7 @@ class SSDServer:
         from cluster.launch import PairConfig, launch
         from protos.serving import channel_options
         from protos.ssd.v1 import ssd_pb2_grpc
-        from spec_core.models import default_pair
+        from spec_core.model_paths import default_pair
 
         pair = default_pair()
         pg = ray.util.get_current_placement_group()

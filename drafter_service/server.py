@@ -160,7 +160,8 @@ class DrafterServer:
 
     def __init__(self, config: DrafterServerConfig) -> None:
         from spec_core.config import parse_dtype
-        from spec_core.models import check_model_dir, load_tokenizer, vocab_hash
+        from spec_core.model_paths import check_model_dir
+        from spec_core.models import load_tokenizer, vocab_hash
 
         self.config = config
         path = check_model_dir(config.draft_path)

@@ -1,4 +1,4 @@
-"""Model loading: the shipped default pair, any local HF causal-LM folder, tokenizers and vocabulary checks."""
+"""Model loading: any local HF causal-LM folder, tokenizers, vocabulary checks (paths: :mod:`spec_core.model_paths`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from spec_core.config import ModelConfig
-from spec_core.model_paths import ModelLoadError, assets_dir, check_model_dir, default_pair  # noqa: F401
+from spec_core.model_paths import ModelLoadError, check_model_dir
 from spec_core.runner import ModelRunner
 
 logger = logging.getLogger(__name__)

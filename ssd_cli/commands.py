@@ -149,7 +149,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
     from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
-    from spec_core.models import default_pair, set_threads
+    from spec_core.model_paths import default_pair
+    from spec_core.models import set_threads
     from spec_core.prompts import demo_prompt
 
     set_threads(args.threads)

@@ -72,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.launch import PairConfig, launch
     from drafter_service.fanout import FanoutConfig
-    from spec_core.models import check_model_dir, default_pair
+    from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()
     target, draft = args.target or pair["target"], args.draft or pair["draft"]

@@ -59,7 +59,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def default_pair() -> dict[str, str]:
-    from spec_core.models import default_pair as pair
+    from spec_core.model_paths import default_pair as pair
 
     paths = pair()
     for p in paths.values():

@@ -19,7 +19,7 @@ from spec_core.config import SamplingParams
 from spec_core.detokenizer import IncrementalDetokenizer
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
-from verifier_service.batch_requests import BatchSettings, parse_request, read_requests  # noqa: F401 (re-exported)
+from verifier_service.batch_requests import BatchSettings
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
 
@@ -67,7 +67,7 @@ def result_json(seq: Sequence, engine: VerifierEngine) -> dict:
 
 
 def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: BatchSettings) -> dict:
-    """Run ``requests`` (from :func:`read_requests`); write results in input order; return engine metrics."""
+    """Run ``requests`` (from :func:`verifier_service.batch_requests.read_requests`); write results in input order; return engine metrics."""
     seqs = make_sequences(pair, requests)
     if settings.mode == "ssd":
         from drafter_service.ssd_drafter import SSDConfig
