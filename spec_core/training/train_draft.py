@@ -1,0 +1,137 @@
+"""``ssd train-draft``: distil a draft for a target (by default SmolLM2-135M-Instruct), offline and resumably.
+
+Stages (``--stage``; ``all`` runs those not done yet, each resumable from what it wrote in ``OUT``):
+  1. ``data-stdlib`` / ``data-gen``: teacher data (:mod:`spec_core.training.draft_data`);
+  2. ``vocab``: the draft vocabulary, the ``draft_vocab`` most frequent next tokens of the teacher data (plus the
+     special tokens), written as ``OUT/token_map.npy``;
+  3. ``train``: the student (:mod:`spec_core.training.student`), soft cross-entropy on the teacher's top-k
+     restricted to the map, checkpointed to ``OUT/ckpt/student.pt`` every ``ckpt_every`` steps;
+  4. ``export``: an HF folder (``OUT/draft``) with the map, and ``OUT/report.json`` (held-out agreement).
+
+Budgets are in tokens and optimizer steps, and every random choice is seeded, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from spec_core.training.draft_data import DataConfig
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("data-stdlib", "data-gen", "vocab", "train", "export", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class StudentShape:
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 768
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    steps: int = 6000
+    batch_tokens: int = 4096
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    ckpt_every: int = 100
+    heldout_fraction: float = 0.02  # of the gen documents, never trained on
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    shape: StudentShape = field(default_factory=StudentShape)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    draft_vocab: int = 16384
+    seed: int = 0
+
+    @staticmethod
+    def smoke() -> DraftTrainConfig:
+        return DraftTrainConfig(
+            data=replace(DataConfig(), stdlib_tokens=2048, chunk_len=128, chunks_per_shard=8, num_code_prompts=4,
+                         num_chat_prompts=4, code_max_new=8, chat_max_new=8, gen_batch=4),
+            shape=StudentShape(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
+            train=replace(TrainConfig(), steps=3, batch_tokens=256, seq_len=64, ckpt_every=2, warmup=1),
+            draft_vocab=2048,
+        )
+
+
+def _teacher(target_path: str, dtype: str):
+    from spec_core.config import parse_dtype
+    from spec_core.models import load_tokenizer
+    from spec_core.runner import ModelRunner
+
+    return ModelRunner(target_path, dtype=parse_dtype(dtype)), load_tokenizer(target_path)
+
+
+def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, progress) -> None:
+    from spec_core.models import eos_token_ids
+    from spec_core.training.corpus import load_corpus
+    from spec_core.training.draft_data import make_gen_data, make_stdlib_data
+
+    data_dir = out / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    runner, tokenizer = _teacher(target_path, cfg.data.dtype if source == "stdlib" else cfg.data.gen_dtype)
+    corpus = load_corpus(max_files=40 if cfg.data.stdlib_tokens < 10_000 else None)
+    if source == "stdlib":
+        make_stdlib_data(runner, tokenizer, corpus, cfg.data, data_dir, progress)
+    else:
+        make_gen_data(runner, tokenizer, corpus, eos_token_ids(runner, tokenizer), cfg.data, data_dir, progress)
+
+
+def save_config(out: Path, cfg: DraftTrainConfig, target_path: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "train_config.json"
+    record = {"target": target_path, **asdict(cfg)}
+    if path.exists():
+        old = json.loads(path.read_text())
+        if {k: v for k, v in old.items() if k != "train"} != {k: v for k, v in record.items() if k != "train"}:
+            raise ValueError(f"{out} was started with another configuration ({path}); use a new --out")
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def train_draft(out: Path, target_path: str, cfg: DraftTrainConfig, stage: str = "all", progress=None) -> dict:
+    """Run ``stage`` (or every stage not yet done) and return the report (empty until ``export``)."""
+    from tqdm import tqdm
+
+    progress = progress or tqdm
+    save_config(out, cfg, target_path)
+    torch.manual_seed(cfg.seed)
+    if stage in ("data-stdlib", "all"):
+        run_data(out, target_path, cfg, "stdlib", progress)
+    if stage in ("data-gen", "all"):
+        run_data(out, target_path, cfg, "gen", progress)
+    if stage in ("vocab", "train", "export", "all"):
+        from spec_core.training.student import build_token_map, export_draft, train_student
+
+        if stage in ("vocab", "all") or not (out / "token_map.npy").exists():
+            build_token_map(out, cfg)
+        if stage in ("train", "all"):
+            train_student(out, target_path, cfg, progress)
+        if stage in ("export", "all"):
+            return export_draft(out, target_path, cfg)
+    return {}
+
+
+def report_path(out: Path) -> Path:
+    return out / "report.json"
+
+
+def load_report(out: Path) -> dict:
+    p = report_path(out)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+
