@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from protos.ssd.v1 import ssd_pb2 as pb
+from spec_core.chat import ChatPrompt, Prompt
 from spec_core.config import SamplingParams
 from spec_core.speculation import BranchBundle, FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
 
@@ -52,12 +53,12 @@ def unpack_probs(blob: bytes, rows: int, vocab_size: int) -> torch.Tensor | None
 
 
 # ---- public API -----------------------------------------------------------------------------------------------
-def request_to_params(req: pb.GenerateRequest) -> tuple[str | list[int], SamplingParams]:
-    """(prompt text or token ids, validated params). Raises ValueError with a user-facing message."""
-    has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise ValueError("give either prompt or prompt_token_ids, not both")
-    if not has_text and not has_ids:
+def request_to_params(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
+    """(prompt text, token ids or messages; validated params). Raises ValueError with a user-facing message."""
+    has_text, has_ids, has_msgs = bool(req.prompt), len(req.prompt_token_ids) > 0, len(req.messages) > 0
+    if has_text + has_ids + has_msgs > 1:
+        raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+    if not (has_text or has_ids or has_msgs):
         raise ValueError("prompt is empty")
     for name in ("temperature", "top_p"):
         if req.HasField(name) and not math.isfinite(getattr(req, name)):
@@ -81,16 +82,22 @@ def request_to_params(req: pb.GenerateRequest) -> tuple[str | list[int], Samplin
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    return (req.prompt if has_text else list(req.prompt_token_ids)), params
+    if has_msgs:
+        prompt: Prompt = ChatPrompt.of([{"role": m.role, "content": m.content} for m in req.messages])
+    else:
+        prompt = req.prompt if has_text else list(req.prompt_token_ids)
+    return prompt, params
 
 
-def params_to_request(prompt: str | list[int], params: SamplingParams, request_id: str = "") -> pb.GenerateRequest:
+def params_to_request(prompt: Prompt, params: SamplingParams, request_id: str = "") -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, ignore_eos=params.ignore_eos, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), logprobs=params.logprobs, request_id=request_id,
     )
-    if isinstance(prompt, str):
+    if isinstance(prompt, ChatPrompt):
+        req.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt.messages)
+    elif isinstance(prompt, str):
         req.prompt = prompt
     else:
         req.prompt_token_ids.extend(prompt)

@@ -1,8 +1,9 @@
 """The ``ssd batch`` input file and settings: parsed and validated before any model loads (so a bad file or flag
 fails in a fraction of a second). Imports nothing heavy: no torch, no transformers.
 
-Input lines: ``{"prompt": str | "prompt_token_ids": [int], "id"?, "max_new_tokens"?, "temperature"?, "top_p"?,
-"top_k"?, "seed"?, "stop"?, "stop_token_ids"?, "ignore_eos"?}``.
+Input lines: ``{"prompt": str | "prompt_token_ids": [int] | "messages": [{"role", "content"}], "id"?,
+"max_new_tokens"?, "temperature"?, "top_p"?, "top_k"?, "seed"?, "stop"?, "stop_token_ids"?, "ignore_eos"?}``.
+``messages`` go through the model's chat template (assistant turn opened).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from spec_core.chat import ChatPrompt
 from spec_core.config import SamplingParams
 
 _PARAM_KEYS = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
@@ -43,9 +45,9 @@ def parse_request(row: object, line_no: int, default_max_new: int) -> tuple[str 
     where = f"line {line_no}"
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object")
-    prompt, ids = row.get("prompt"), row.get("prompt_token_ids")
-    if (prompt is None) == (ids is None):
-        raise ValueError(f'{where}: give exactly one of "prompt" or "prompt_token_ids"')
+    prompt, ids, messages = row.get("prompt"), row.get("prompt_token_ids"), row.get("messages")
+    if sum(x is not None for x in (prompt, ids, messages)) != 1:
+        raise ValueError(f'{where}: give exactly one of "prompt", "prompt_token_ids" or "messages"')
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
         raise ValueError(f'{where}: "prompt" must be a non-empty string')
     if ids is not None and (not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids)):
@@ -72,6 +74,8 @@ def parse_request(row: object, line_no: int, default_max_new: int) -> tuple[str 
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     rid = row.get("id")
+    if messages is not None:
+        return (str(rid) if rid is not None else None), ChatPrompt.of(messages, f"{where}: messages"), params
     return (str(rid) if rid is not None else None), (prompt if prompt is not None else ids), params
 
 
