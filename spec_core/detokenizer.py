@@ -19,7 +19,7 @@ class IncrementalDetokenizer:
     read_offset: int = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (possibly empty)."""

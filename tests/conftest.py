@@ -1,4 +1,4 @@
-"""Shared fixtures: seeded RNGs, tiny random HF models on disk, the shipped default pair."""
+"""Shared fixtures: seeded RNGs, tiny random HF models on disk, the toy pair and the real default pair."""
 
 from __future__ import annotations
 
@@ -58,12 +58,24 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def default_pair() -> dict[str, str]:
-    from spec_core.model_paths import default_pair as pair
+def toy_pair() -> dict[str, str]:
+    """The 17M/1M toy pair (its own 8k tokenizer): fast, for tests of the machinery."""
+    from spec_core.model_paths import toy_pair as pair
 
     paths = pair()
     for p in paths.values():
         assert Path(p, "config.json").is_file(), f"shipped model missing: {p}"
+    return paths
+
+
+@pytest.fixture(scope="session")
+def real_pair() -> dict[str, str]:
+    """The default pair: SmolLM2-135M-Instruct (installed by ``make install``) and the draft trained for it."""
+    from spec_core.model_paths import default_pair
+
+    paths = default_pair()
+    for p in paths.values():
+        assert Path(p, "config.json").is_file(), f"default model missing: {p} (run make install)"
     return paths
 
 
@@ -77,20 +89,31 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def greedy_reference(default_pair):
-    """``reference(prompt, n)``: the target's own greedy tokens (plain AR with our engine), memoised."""
+def _ar_reference(target_path: str):
     from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
 
-    gen = Generator(ModelConfig(default_pair["target"]), None)
+    gen = Generator(ModelConfig(target_path), None)
     cache: dict = {}
 
     def reference(prompt, n: int) -> list[int]:
-        key = (prompt if isinstance(prompt, str) else tuple(prompt), n)
+        key = (tuple(prompt) if isinstance(prompt, list) else prompt, n)
         if key not in cache:
             res = gen.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True), mode="ar")
             cache[key] = res.token_ids
         return cache[key]
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_pair):
+    """``reference(prompt, n)``: the real target's own greedy tokens (fp32 AR; equal to transformers, see
+    test_real_pair), memoised."""
+    return _ar_reference(real_pair["target"])
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(toy_pair):
+    """``reference(prompt, n)``: the toy target's own greedy tokens (plain AR with our engine), memoised."""
+    return _ar_reference(toy_pair["target"])

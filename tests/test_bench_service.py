@@ -9,8 +9,8 @@ from spec_core.config import SamplingParams
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Node:\n"]
 
 
-def test_service_mode_single_and_concurrent(ray_session, default_pair, greedy_reference) -> None:
-    mode = ServiceMode(default_pair["target"], default_pair["draft"], k=2)
+def test_service_mode_single_and_concurrent(ray_session, toy_pair, greedy_reference) -> None:
+    mode = ServiceMode(toy_pair["target"], toy_pair["draft"], k=2)
     try:
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
         result, extra = mode.run(PROMPTS[0], params)

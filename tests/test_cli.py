@@ -23,10 +23,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> Non
     assert lines[0].startswith("ssd: error:") and needle in lines[0], lines[0]
 
 
-def test_models_prints_default_pair(default_pair):
+def test_models_prints_default_pair(real_pair):
     proc = ssd("models")
     assert proc.returncode == 0
-    assert json.loads(proc.stdout) == default_pair
+    assert json.loads(proc.stdout) == real_pair
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd"])
@@ -52,8 +52,8 @@ def test_bad_model_path():
     assert_one_line_error(ssd("generate", "--prompt", "x", "--target", "/no/such/model"), "not found")
 
 
-def test_vocabulary_mismatch(tiny_models, default_pair):
-    proc = ssd("generate", "--prompt", "x", "--target", default_pair["target"], "--draft",
+def test_vocabulary_mismatch(tiny_models, toy_pair):
+    proc = ssd("generate", "--prompt", "x", "--target", toy_pair["target"], "--draft",
                str(tiny_models["llama-vocab300"]))
     assert_one_line_error(proc, "vocabular")
 

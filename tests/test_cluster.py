@@ -19,10 +19,10 @@ from verifier_service.client import SSDClient
 PROMPTS = [f"def task_{i}(x):\n    " for i in range(8)]
 
 
-def test_placement_one_gpu_each_in_one_group(ray_session, default_pair, greedy_reference) -> None:
+def test_placement_one_gpu_each_in_one_group(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
-    dep = launch(PairConfig(default_pair["target"], default_pair["draft"], port=0, use_gpu=True))
+    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=True))
     try:
         info = dep.info()
         d, v = info["drafter"], info["verifier"]
@@ -40,11 +40,11 @@ def test_placement_one_gpu_each_in_one_group(ray_session, default_pair, greedy_r
         dep.shutdown(grace_s=5)
 
 
-def test_strict_spread_on_one_node_times_out(ray_session, default_pair) -> None:
+def test_strict_spread_on_one_node_times_out(ray_session, toy_pair) -> None:
     from cluster.launch import PairConfig, PlacementError, launch
 
     with pytest.raises(PlacementError, match="not ready"):
-        launch(PairConfig(default_pair["target"], default_pair["draft"], strategy="STRICT_SPREAD",
+        launch(PairConfig(toy_pair["target"], toy_pair["draft"], strategy="STRICT_SPREAD",
                           use_gpu=False, placement_timeout_s=2))
 
 
@@ -71,12 +71,13 @@ def served():
         proc.kill()
 
 
-def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, greedy_reference) -> None:
+def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, real_reference) -> None:
+    """``ssd serve`` with no flags serves the real default pair; streams equal the target's own greedy output."""
     proc, info = served
     assert info["drafter"]["pid"] != info["verifier"]["pid"]
     assert info["drafter"]["placement_group_id"] == info["verifier"]["placement_group_id"]
     assert info["drafter"]["affinity"] != info["verifier"]["affinity"]  # pinned to separate cores
-    expected = {p: greedy_reference(p, 24) for p in PROMPTS}
+    expected = {p: real_reference(p, 24) for p in PROMPTS}
 
     def one(prompt: str):
         with SSDClient(info["address"]) as client:

@@ -10,8 +10,8 @@ from spec_core.sequence import Sequence
 TEXT = "héllo wörld — ✓ 日本語 🙂 done\n"
 
 
-def test_deltas_never_split_characters(default_pair):
-    tok = load_tokenizer(default_pair["target"])
+def test_deltas_never_split_characters(toy_pair):
+    tok = load_tokenizer(toy_pair["target"])
     ids = tok(TEXT, add_special_tokens=False)["input_ids"]
     assert len(ids) > len(TEXT.split())  # multi-byte characters span several byte-level tokens
     detok = IncrementalDetokenizer(tok)
@@ -22,8 +22,8 @@ def test_deltas_never_split_characters(default_pair):
     assert any(d == "" for d in deltas)  # some tokens held back until their character completed
 
 
-def test_stop_string_across_token_boundary(default_pair):
-    tok = load_tokenizer(default_pair["target"])
+def test_stop_string_across_token_boundary(toy_pair):
+    tok = load_tokenizer(toy_pair["target"])
     text = "def alpha():\n    return beta + gamma\n"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     pieces = [tok.decode([t]) for t in ids]

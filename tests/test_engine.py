@@ -72,9 +72,9 @@ def test_batching_equality_tiny(tiny_models, family, name, k, branching):
 
 
 @pytest.mark.parametrize("k,branching", [(5, 1), (3, 2)])
-def test_batching_equality_default_pair(default_pair, k, branching):
-    target, draft = ModelRunner(default_pair["target"]), ModelRunner(default_pair["draft"])
-    tok = load_tokenizer(default_pair["target"])
+def test_batching_equality_toy_pair(toy_pair, k, branching):
+    target, draft = ModelRunner(toy_pair["target"]), ModelRunner(toy_pair["draft"])
+    tok = load_tokenizer(toy_pair["target"])
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in humaneval_prompts(10)]
     seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=24 + 4 * (i % 3), ignore_eos=True))
             for i, p in enumerate(prompts)]

@@ -31,10 +31,10 @@ def _stats(client: SSDClient) -> dict:
     return json.loads(client.stats().json)
 
 
-def test_drafter_killed_mid_generation_recovers(ray_session, default_pair, greedy_reference) -> None:
+def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
-    dep = launch(PairConfig(default_pair["target"], default_pair["draft"], port=0, use_gpu=False, adaptive_k=False))
+    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=False, adaptive_k=False))
     try:
         old_pid = ray.get(dep.drafter.pid.remote())
         with SSDClient(dep.address) as client:
@@ -74,11 +74,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_verifier_killed_is_restarted_and_clients_retry(ray_session, default_pair, greedy_reference) -> None:
+def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
     port = _free_port()  # a fixed public port: the restarted verifier binds it again
-    dep = launch(PairConfig(default_pair["target"], default_pair["draft"], port=port, use_gpu=False,
+    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=port, use_gpu=False,
                             adaptive_k=False))
     try:
         old_pid = ray.get(dep.verifier.pid.remote())
@@ -109,12 +109,12 @@ def test_verifier_killed_is_restarted_and_clients_retry(ray_session, default_pai
         dep.shutdown(grace_s=5)
 
 
-def test_slow_drafter_never_stalls_the_verifier(default_pair, greedy_reference) -> None:
+def test_slow_drafter_never_stalls_the_verifier(toy_pair, greedy_reference) -> None:
     """Every drafter step is 0.3 s late (about 20 verifies). The verifier waits for a just-in-time draft on every
     miss (``neural`` policy, the worst case) but never past wait_fraction × a verify, then takes the backup."""
-    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2), inject_delay_s=0.3))
+    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2), inject_delay_s=0.3))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, backup_policy="neural",
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, backup_policy="neural",
                                                  wait_fraction=0.5, adaptive_k=False))
     try:
         address = server.start(drafter.address)

@@ -21,10 +21,10 @@ ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 
 @pytest.fixture(scope="module")
-def served(default_pair):
-    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+def served(toy_pair):
+    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=64))
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=64))
     address = server.start(drafter.address)
     yield server, drafter, address
     server.stop()

@@ -60,11 +60,11 @@ def test_tiny_random_configs(tiny_models, family):
         check_all_equal(model, prompt, ref, {"AR": ar, "SD": sd, "SD(self-draft)": sd_self})
 
 
-def test_default_pair_humaneval(default_pair):
+def test_toy_pair_humaneval(toy_pair):
     """20 HumanEval prompts × 64 tokens with the shipped pair."""
-    tok = load_tokenizer(default_pair["target"])
-    model = AutoModelForCausalLM.from_pretrained(default_pair["target"], dtype=torch.float32).eval()
-    target, draft = ModelRunner(default_pair["target"]), ModelRunner(default_pair["draft"])
+    tok = load_tokenizer(toy_pair["target"])
+    model = AutoModelForCausalLM.from_pretrained(toy_pair["target"], dtype=torch.float32).eval()
+    target, draft = ModelRunner(toy_pair["target"]), ModelRunner(toy_pair["draft"])
     for prompt in humaneval_prompts(20):
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         ref = hf_greedy(model, ids, 64)

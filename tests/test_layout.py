@@ -31,9 +31,9 @@ def test_spec_core_imports_no_ray_or_grpc():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_default_pair_contract(default_pair):
+def test_toy_pair_contract(toy_pair):
     sizes = {}
-    for role, path in default_pair.items():
+    for role, path in toy_pair.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         cfg = json.loads(Path(path, "config.json").read_text())
         assert cfg["model_type"] == "llama"
@@ -42,5 +42,5 @@ def test_default_pair_contract(default_pair):
         assert Path(path, "tokenizer.json").is_file()
     assert 15e6 <= sizes["target"] <= 20e6, sizes
     assert 1e6 <= sizes["draft"] <= 3e6, sizes
-    total_mb = sum(f.stat().st_size for p in default_pair.values() for f in Path(p).iterdir()) / 2**20
+    total_mb = sum(f.stat().st_size for p in toy_pair.values() for f in Path(p).iterdir()) / 2**20
     assert total_mb < 50, total_mb

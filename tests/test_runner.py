@@ -33,8 +33,8 @@ def test_logits_match_transformers_tiny(tiny_models, name):
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_logits_match_transformers_default_pair(default_pair, role):
-    path = default_pair[role]
+def test_logits_match_transformers_toy_pair(toy_pair, role):
+    path = toy_pair[role]
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(path)
     ids = torch.randint(0, runner.vocab_size, (1, 300))

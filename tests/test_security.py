@@ -40,9 +40,9 @@ def pki(tmp_path_factory) -> Path:
     return d
 
 
-def test_tls_and_bearer_token(default_pair, pki, caplog, greedy_reference) -> None:
+def test_tls_and_bearer_token(toy_pair, pki, caplog, greedy_reference) -> None:
     caplog.set_level(logging.DEBUG)
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ar", k=0,
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0,
                                                  auth_token_file=str(pki / "token"),
                                                  tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key")))
     address = server.start()
@@ -73,13 +73,13 @@ def plain_request():
     return pb.GenerateRequest(prompt="x", max_new_tokens=1)
 
 
-def test_mutual_tls_between_drafter_and_verifier(default_pair, pki, greedy_reference) -> None:
+def test_mutual_tls_between_drafter_and_verifier(toy_pair, pki, greedy_reference) -> None:
     drafter_tls = TLSFiles(str(pki / "server.pem"), str(pki / "server.key"), ca=str(pki / "ca.pem"))
-    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2), tls=drafter_tls))
+    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2), tls=drafter_tls))
     drafter.start()
     try:
         client_tls = TLSFiles(str(pki / "client.pem"), str(pki / "client.key"), ca=str(pki / "ca.pem"))
-        server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2,
+        server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2,
                                                      internal_tls=client_tls))
         address = server.start(drafter.address)
         try:
@@ -97,8 +97,8 @@ def test_mutual_tls_between_drafter_and_verifier(default_pair, pki, greedy_refer
         drafter.stop()
 
 
-def test_per_client_limits(default_pair) -> None:
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ar", k=0, max_prompt_tokens=20,
+def test_per_client_limits(toy_pair) -> None:
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0, max_prompt_tokens=20,
                                                  max_new_tokens_limit=50, max_streams_per_client=2))
     address = server.start()
     try:

@@ -24,7 +24,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def serve_app(ray_session):
+def serve_app(ray_session, toy_pair):
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
@@ -34,7 +34,8 @@ def serve_app(ray_session):
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[
                     "protos.ssd.v1.ssd_pb2_grpc.add_GenerationServicer_to_server"]))
-    handle = serve.run(build_app({"use_gpu": False, "num_replicas": 2, "pair_cpus": 0.3, "replica_cpus": 0.2}),
+    handle = serve.run(build_app({"use_gpu": False, "num_replicas": 2, "pair_cpus": 0.3, "replica_cpus": 0.2,
+                                  "target": toy_pair["target"], "draft": toy_pair["draft"]}),
                        name="ssd", route_prefix="/")
     yield handle, grpc_port, http_port
     serve.shutdown()

@@ -21,16 +21,16 @@ PROMPT = "def add(a, b):\n"
 
 
 @pytest.fixture(scope="module")
-def drafter(default_pair):
-    server = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+def drafter(toy_pair):
+    server = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
     server.start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def service(default_pair, drafter):
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=4,
+def service(toy_pair, drafter):
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=4,
                                                  max_num_seqs=4))
     address = server.start(drafter.address)
     yield server, address
@@ -49,7 +49,7 @@ def test_ssd_stream_equals_target_greedy(service, greedy_reference) -> None:
     assert server.stats()["drafter_connected"]
 
 
-def test_logprobs_are_the_targets(service, default_pair) -> None:
+def test_logprobs_are_the_targets(service, toy_pair) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -59,7 +59,7 @@ def test_logprobs_are_the_targets(service, default_pair) -> None:
     ids = list(res.token_ids)
     assert len(res.logprobs) == len(ids) == 6
     prompt_ids = server.encode(PROMPT)
-    model = AutoModelForCausalLM.from_pretrained(default_pair["target"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(toy_pair["target"], dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ids[:-1]])).logits[0].float()
     ref = torch.log_softmax(logits[len(prompt_ids) - 1:], -1)[torch.arange(6), torch.tensor(ids)]
@@ -142,8 +142,8 @@ def test_handshake_refuses_other_k_and_vocabulary(drafter) -> None:
         assert field in str(info.value)
 
 
-def test_drain_finishes_in_flight_then_refuses(default_pair) -> None:
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ar", k=0))
+def test_drain_finishes_in_flight_then_refuses(toy_pair) -> None:
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0))
     address = server.start()
     result: dict = {}
     with SSDClient(address, retries=0) as client:

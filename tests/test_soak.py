@@ -45,10 +45,10 @@ def _trimmed_rss_mb() -> float:
     return _rss_mb()
 
 
-def _soak(default_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
-    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+def _soak(toy_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
+    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=max(32, clients),
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=max(32, clients),
                                                  max_num_seqs=16, max_streams_per_client=None))
     address = server.start(drafter.address)
     refs = {p: greedy_reference(p, max_new) for p in PROMPTS}
@@ -124,25 +124,25 @@ def _check(report: dict) -> None:
     assert report["kv_usage"] == 0.0 and report["admitted"] == 0, report
 
 
-def test_short_load(default_pair, greedy_reference) -> None:
-    _check(_soak(default_pair, greedy_reference, clients=8, seconds=8, max_new=16))
+def test_short_load(toy_pair, greedy_reference) -> None:
+    _check(_soak(toy_pair, greedy_reference, clients=8, seconds=8, max_new=16))
 
 
 @pytest.mark.slow
-def test_soak_32_clients_60s(default_pair, greedy_reference) -> None:
-    _check(_soak(default_pair, greedy_reference, clients=32, seconds=60, max_new=32))
+def test_soak_32_clients_60s(toy_pair, greedy_reference) -> None:
+    _check(_soak(toy_pair, greedy_reference, clients=32, seconds=60, max_new=32))
 
 
-def test_overload_is_resource_exhausted_not_oom(default_pair, greedy_reference) -> None:
+def test_overload_is_resource_exhausted_not_oom(toy_pair, greedy_reference) -> None:
     """Backpressure: five bursts of 64 simultaneous streams with long prompts against a queue limit of 16. The excess
     gets RESOURCE_EXHAUSTED at once (never queued without bound, never an out-of-memory kill), every admitted
     stream finishes with the target's greedy output, memory stays flat from burst to burst, and the server keeps
     serving with every KV block free."""
     import grpc
 
-    drafter = DrafterServer(DrafterServerConfig(default_pair["draft"], SSDConfig(k=2)))
+    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(default_pair["target"], mode="ssd", k=2, max_queue=16,
+    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=16,
                                                  max_num_seqs=8, max_streams_per_client=None))
     prompt = "values = [\n" + "    1,\n" * 120
     ref = greedy_reference(prompt, 24)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from drafter_service.draft_engine import BatchDrafter, DraftConfig
+from spec_core import chat
 from spec_core.config import SamplingParams
 from spec_core.detokenizer import IncrementalDetokenizer
 from spec_core.models import LoadedPair
@@ -43,7 +44,7 @@ def make_sequences(pair: LoadedPair, rows: list[tuple[str | None, object, Sampli
     vocab = pair.target.vocab_size
     max_len = pair.target.spec.max_positions
     for i, (rid, prompt, params) in enumerate(rows):
-        ids = pair.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) else prompt
+        ids = chat.encode(pair.tokenizer, prompt)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {rid or i}: prompt_token_ids out of vocabulary (size {vocab}): {bad[:3]}")

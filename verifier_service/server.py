@@ -22,6 +22,8 @@ from protos import codec
 from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
+from spec_core import chat
+from spec_core.chat import Prompt
 from spec_core.config import MODES, ModelConfig
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
@@ -265,10 +267,9 @@ class VerifierServer:
         self.link_bytes_base = (0, 0)
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a prompt, validated against the vocabulary and the context limit (ValueError)."""
-        ids = self.pair.tokenizer(prompt, add_special_tokens=False)["input_ids"] if isinstance(prompt, str) \
-            else list(prompt)
+        ids = chat.encode(self.pair.tokenizer, prompt)
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.pair.target.vocab_size

@@ -1,0 +1,203 @@
+"""GGUF files as checkpoints: read a llama.cpp model file and write an HF folder our runner (and transformers) loads.
+
+The conversion is a pure function of the file: weights are dequantized with the ``gguf`` library to fp32 (exactly
+the values llama.cpp computes from the blocks), names are mapped to transformers' Llama/Qwen names, and the Q/K
+projections of Llama-family files are un-permuted (llama.cpp's converter interleaves their rotary halves). The
+config and tokenizer come from transformers' own GGUF readers, so the folder also loads with
+``AutoModelForCausalLM.from_pretrained``. The folder records the file's sha256 in ``gguf_source.json``; a folder
+whose record does not match is converted again.
+
+Supported families: Llama (and Mistral, which llama.cpp files as llama), Qwen2, Qwen3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from spec_core.model_paths import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SOURCE_RECORD = "gguf_source.json"
+_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hf_name(gguf_name: str) -> str:
+    """The transformers parameter name of a GGUF tensor (``ModelLoadError`` for a tensor we do not know)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise ModelLoadError(f"unsupported tensor {gguf_name!r} in GGUF file")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (per head, rows ``(2, d/2)`` were stored as ``(d/2, 2)``)."""
+    dim = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def open_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` over ``path``; a missing, truncated or corrupt file is one ``ModelLoadError`` line."""
+    from gguf import GGUFReader
+
+    p = Path(path)
+    if not p.is_file():
+        raise ModelLoadError(f"GGUF file not found: {p}")
+    with open(p, "rb") as f:
+        if f.read(4) != _MAGIC:
+            raise ModelLoadError(f"not a GGUF file (bad magic): {p}")
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as exc:  # the reader raises ValueError/IndexError/struct errors on damaged files
+        raise ModelLoadError(f"corrupt or truncated GGUF file {p}: {type(exc).__name__}: {exc}") from exc
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"truncated GGUF file {p}: tensor {t.name} ends past the end of the file")
+    return reader
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def architecture(reader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def dequantized_state_dict(reader) -> dict[str, np.ndarray]:
+    """Every tensor of the file in fp32 with transformers' names and layout (Llama Q/K un-permuted)."""
+    from gguf import dequantize
+
+    arch = architecture(reader)
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_heads)
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        try:
+            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = unpermute_rope(w, n_heads if "q_proj" in name else n_kv)
+        out[name] = w
+    return out
+
+
+def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
+    """Write the HF folder for ``gguf_path`` into ``out`` (which must be empty)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = open_gguf(gguf_path)
+    weights = dequantized_state_dict(reader)
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    template = _field(reader, "tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(out)
+    eos = [i for i in {config.eos_token_id, tokenizer.eos_token_id} if i is not None]
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else sorted(eos),
+                     pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
+    save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt", "gguf_sha256": digest})
+    (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "sha256": digest,
+                                                 "architecture": architecture(reader)}, indent=1) + "\n")
+
+
+def converted_ok(folder: Path, digest: str) -> bool:
+    rec = folder / SOURCE_RECORD
+    if not rec.is_file() or not (folder / "model.safetensors").is_file():
+        return False
+    try:
+        return json.loads(rec.read_text()).get("sha256") == digest
+    except (OSError, ValueError):
+        return False
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None,
+                 expected_sha256: str | None = None) -> Path:
+    """Convert ``gguf_path`` into the HF folder ``out_dir`` (atomically), unless it already holds this file.
+
+    ``out_dir`` defaults to the cache folder for this file's content. ``expected_sha256`` checks the file first
+    (a mismatch is a ``ModelLoadError``).
+    """
+    from spec_core.model_paths import gguf_cache_folder
+
+    src = Path(gguf_path)
+    if not src.is_file():
+        raise ModelLoadError(f"GGUF file not found: {src}")
+    digest = sha256_file(src)
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise ModelLoadError(f"{src}: sha256 {digest} does not match the expected {expected_sha256}")
+    out = Path(out_dir) if out_dir is not None else gguf_cache_folder(src, digest)
+    if converted_ok(out, digest):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        logger.info("converting %s -> %s", src, out)
+        _write_folder(src, tmp, digest)
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
