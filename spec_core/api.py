@@ -57,6 +57,13 @@ class Generator:
         self.pair: LoadedPair = load_pair(target, draft)
         self.k = k
 
+    @classmethod
+    def from_pair(cls, pair: LoadedPair, k: int = 5) -> Generator:
+        """A generator over an already loaded pair."""
+        gen = cls.__new__(cls)
+        gen.pair, gen.k = pair, k
+        return gen
+
     @property
     def tokenizer(self):
         return self.pair.tokenizer

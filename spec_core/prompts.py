@@ -24,6 +24,15 @@ def demo_prompt() -> str:
     return (assets_dir() / "prompts" / "demo.py").read_text()
 
 
+def chat_prompts(n: int | None = None) -> list:
+    """Our own chat prompt set (24 single-turn questions, none from a benchmark), as ChatPrompts."""
+    from spec_core.chat import ChatPrompt
+
+    rows = [json.loads(line) for line in (assets_dir() / "chat_prompts.jsonl").read_text().splitlines() if line]
+    out = [ChatPrompt.of(r["messages"]) for r in rows]
+    return out[:n] if n is not None else out
+
+
 def read_prompt_file(path: str | Path) -> list[dict]:
     """Read a JSONL file of ``{"prompt": ...}`` objects (other keys are kept)."""
     rows = []

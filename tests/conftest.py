@@ -19,6 +19,22 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+_REPORTS: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """``report(line)``: a measured number a test reports without asserting (printed after the run)."""
+    return _REPORTS.append
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _REPORTS:
+        terminalreporter.section("reported (not asserted)")
+        for line in _REPORTS:
+            terminalreporter.write_line(line)
+
+
 def tiny_config(family: str, vocab_size: int = 256, **overrides):
     """A random tiny config; ``initializer_range`` 0.2 keeps argmax ties away (see the Foundation issue)."""
     from transformers import LlamaConfig, Qwen3Config
