@@ -39,15 +39,17 @@ def add_parsers(sub) -> None:
     s.add_argument("--auth-token-env", help="... or from this environment variable")
     s.add_argument("--tls-cert", help="TLS certificate (PEM) for the public API")
     s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
-    s.add_argument("--target", help="target HF model folder (default: the shipped pair)")
-    s.add_argument("--draft", help="draft HF model folder (default: the shipped pair)")
+    s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
+    s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--dtype", default="float32")
 
     c = sub.add_parser("client", help="talk to a running `ssd serve`")
     csub = c.add_subparsers(dest="client_command", required=True)
     g = csub.add_parser("generate", help="stream one generation to the terminal")
     g.add_argument("--address", default="127.0.0.1:50051")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--chat", help="one user turn, sent as messages (the server applies the chat template)")
+    g.add_argument("--messages", help="a JSON file with an OpenAI-style list of {role, content} messages")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -142,12 +144,22 @@ def cmd_client(args: argparse.Namespace) -> int:
             except grpc.RpcError as exc:
                 raise CliError(f"{exc.code().name}: {exc.details()}") from None
         return 0
+    from spec_core.chat import ChatPrompt, read_messages_file
+
+    given = [f for f in ("prompt", "chat", "messages") if getattr(args, f) is not None]
+    if len(given) != 1:
+        raise CliError("give exactly one of --prompt, --chat or --messages")
+    prompt = args.prompt
+    if args.chat is not None:
+        prompt = ChatPrompt.of([{"role": "user", "content": args.chat}])
+    elif args.messages is not None:
+        prompt = ChatPrompt.of(read_messages_file(args.messages))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     with _client(args, timeout_s=args.timeout) as client:
         try:
             final = None
-            for resp in client.generate(args.prompt, params):
+            for resp in client.generate(prompt, params):
                 if resp.WhichOneof("kind") == "delta":
                     if not args.json:
                         sys.stdout.write(resp.delta.text)

@@ -122,15 +122,28 @@ def test_serve_exports_prometheus_metrics(served) -> None:
     assert count and float(count[0].split()[-1]) >= 1
 
 
-def test_client_cli_json_and_sigterm(served, greedy_reference) -> None:
+def test_client_cli_json_chat_and_sigterm(served, real_reference) -> None:
+    """`ssd client generate` against `ssd serve` (real pair): a plain prompt and a chat turn, both equal to the
+    target's own greedy output; the chat stream ends at the end-of-turn token with clean text."""
+    from spec_core.chat import ChatPrompt
+
     proc, info = served
-    out = subprocess.run([sys.executable, "-m", "ssd_cli.main", "client", "generate", "--address", info["address"],
+    out = subprocess.run([sys.executable, "-m", "ssd_cli", "client", "generate", "--address", info["address"],
                           "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--ignore-eos", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
-    assert obj["token_ids"] == greedy_reference(PROMPTS[1], 16) and obj["mode"] == "ssd"
-    bad = subprocess.run([sys.executable, "-m", "ssd_cli.main", "client", "generate", "--address", info["address"],
+    assert obj["token_ids"] == real_reference(PROMPTS[1], 16) and obj["mode"] == "ssd"
+    question = "What is the capital of France?"
+    out = subprocess.run([sys.executable, "-m", "ssd_cli", "client", "generate", "--address", info["address"],
+                          "--chat", question, "--max-new-tokens", "32", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    ref = real_reference(ChatPrompt.of([{"role": "user", "content": question}]), 32)
+    assert obj["token_ids"] == ref[:ref.index(2) + 1] and obj["finish_reason"] == "stop"
+    assert "Paris" in obj["text"] and "<|im_end|>" not in obj["text"]
+    bad = subprocess.run([sys.executable, "-m", "ssd_cli", "client", "generate", "--address", info["address"],
                           "--prompt", "x", "--top-p", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
     proc.send_signal(signal.SIGTERM)
