@@ -194,10 +194,8 @@ def train_student(out: Path, target_path: str, cfg, progress) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        ema = (float(loss), float(agree)) if ema is None else (0.98 * ema[0] + 0.02 * float(loss),
-                                                              0.98 * ema[1] + 0.02 * float(agree))
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema[0]:.3f}", agree=f"{ema[1]:.3f}")
+        cur = (float(loss.detach()), float(agree))
+        ema = cur if ema is None else (0.98 * ema[0] + 0.02 * cur[0], 0.98 * ema[1] + 0.02 * cur[1])
         if step % tc.ckpt_every == 0 or step == tc.steps:
             log.append({"step": step, "loss": round(ema[0], 4), "train_agree": round(ema[1], 4),
                         "lr": lr_at(step, tc), "seconds": round(time.time() - t0, 1)})
@@ -205,6 +203,8 @@ def train_student(out: Path, target_path: str, cfg, progress) -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                         "rng": data.rng.bit_generator.state, "torch_rng": torch.get_rng_state()}, tmp)
             tmp.replace(ckpt)
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema[0]:.3f}", agree=f"{ema[1]:.3f}")
     bar.close()
 
 

@@ -1,0 +1,159 @@
+"""``ssd train-draft``: teacher data and labels, the draft vocabulary, exact resume after an interruption, a
+reproducible smoke run through the CLI that exports a draft our runner pairs with the real target."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from spec_core.training.student import soft_targets
+from spec_core.training.train_draft import DraftTrainConfig
+
+
+def test_soft_targets_renormalise_inside_the_map():
+    ids = torch.tensor([[[0, 2, -1], [-1, -1, -1]]])
+    logp = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.6, 0.3, 0.1]]]))
+    p, valid = soft_targets(ids, logp)
+    assert valid.tolist() == [[True, False]]
+    assert torch.allclose(p[0, 0], torch.tensor([2 / 3, 1 / 3, 0.0]))
+
+
+def test_prompts_are_offline_and_deterministic():
+    from spec_core.training.corpus import HELDOUT_FILES, load_corpus
+    from spec_core.training.draft_prompts import build_prompts
+
+    corpus = load_corpus(max_files=60)
+    a, b = build_prompts(corpus, 8, 8, seed=3), build_prompts(corpus, 8, 8, seed=3)
+    assert a == b and len(a[0]) == 8 and len(a[1]) == 8
+    assert all(m[0]["role"] == "user" and m[0]["content"] for m in a[1])
+    assert not set(HELDOUT_FILES) & {n for n, _ in corpus.train}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, real_pair):
+    out = tmp_path_factory.mktemp("td") / "run"
+    proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--out", str(out),
+                           "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads(proc.stdout), proc.stderr
+
+
+def test_smoke_run_exports_a_draft_for_the_real_target(smoke_run, real_pair):
+    from spec_core.config import ModelConfig
+    from spec_core.models import load_pair
+
+    out, report, stderr = smoke_run
+    assert "train-draft" in stderr  # the progress bar
+    assert report["steps"] == 3 and report["draft_vocab"] == 2048 and report["train_tokens"] > 0
+    draft = out / "draft"
+    token_map = json.loads((draft / "token_map.json").read_text())
+    assert len(token_map) == 2048 and {0, 1, 2} <= set(token_map)
+    pair = load_pair(ModelConfig(real_pair["target"]), ModelConfig(str(draft)))  # same tokenizer, vocabulary
+    assert pair.draft.token_map.tolist() == token_map
+    shards = sorted(p.name for p in (out / "data").glob("*.npz"))
+    assert any(n.startswith("stdlib-") for n in shards) and any(n.startswith("gen-") for n in shards)
+
+
+def test_greedy_labels_continue_the_documents(smoke_run, real_pair):
+    """Each generated document is its prompt plus the response; in a greedy one the teacher's top-1 at every
+    response position is the next token, so labels and tokens line up."""
+    from spec_core.models import load_tokenizer
+    from spec_core.training.corpus import load_corpus
+    from spec_core.training.draft_data import gen_jobs, load_shards
+
+    out, _, _ = smoke_run
+    cfg = DraftTrainConfig.smoke().data
+    jobs = gen_jobs(load_tokenizer(real_pair["target"]), load_corpus(max_files=40), cfg)
+    shards = load_shards(out / "data", "gen")
+    assert len(shards) == len(jobs)
+    greedy_seen = 0
+    for shard, (prompts, _, temperature) in zip(shards, jobs):
+        assert shard["top_ids"].shape[1] == cfg.top_k
+        starts = list(shard["doc_starts"]) + [len(shard["tokens"])]
+        for (a, b), prompt in zip(zip(starts[:-1], starts[1:]), prompts):
+            toks, top1 = shard["tokens"][a:b], shard["top_ids"][a:b, 0].astype(np.int64)
+            assert toks[:len(prompt)].tolist() == prompt and b - a > len(prompt)
+            if temperature == 0:
+                greedy_seen += 1
+                assert (top1[len(prompt) - 1:-1] == toks[len(prompt):]).all()
+    assert greedy_seen > 0
+
+
+def test_rerun_resumes_and_is_reproducible(smoke_run, tmp_path, real_pair):
+    """A second run in the same folder does no new work; a run in a fresh folder gives the same weights."""
+    out, report, _ = smoke_run
+    again = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--out", str(out),
+                            "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "resumed at step 3" in again.stderr
+    other = tmp_path / "other"
+    shutil.copytree(out / "data", other / "data")  # teacher data is deterministic too; reuse it for time
+    shutil.copy(out / "train_config.json", other / "train_config.json")
+    proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--out", str(other),
+                           "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    a = torch.load(out / "ckpt" / "student.pt", weights_only=False)["model"]
+    b = torch.load(other / "ckpt" / "student.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Interrupt:
+    """A progress bar that interrupts training after ``after`` steps (a simulated crash)."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.n = after, 0
+
+    def __call__(self, **_kw):
+        return self
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if self.n >= self.after:
+            raise KeyboardInterrupt
+
+    def set_postfix(self, **_kw) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_interrupted_training_resumes_exactly(smoke_run, tmp_path, real_pair):
+    from dataclasses import replace
+
+    from spec_core.training.student import train_student
+
+    out, _, _ = smoke_run
+    base = DraftTrainConfig.smoke()
+    cfg = replace(base, train=replace(base.train, steps=4, ckpt_every=2))
+    runs = {}
+    for name, interrupt in (("straight", None), ("interrupted", 2)):
+        d = tmp_path / name
+        shutil.copytree(out / "data", d / "data")
+        shutil.copy(out / "token_map.npy", d / "token_map.npy")
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                train_student(d, real_pair["target"], cfg, _Interrupt(interrupt))
+            assert torch.load(d / "ckpt" / "student.pt", weights_only=False)["step"] == 2
+        train_student(d, real_pair["target"], cfg, _Interrupt(10**9))
+        runs[name] = torch.load(d / "ckpt" / "student.pt", weights_only=False)["model"]
+    assert all(torch.equal(runs["straight"][k], runs["interrupted"][k]) for k in runs["straight"])
+
+
+def test_bad_stage_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--out", str(tmp_path), "--stage", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("ssd: error:") and "--stage" in proc.stderr
+
+
+def test_shipped_draft_card_exists():
+    from spec_core.model_paths import default_pair
+
+    card = Path(default_pair()["draft"]) / "README.md"
+    assert card.is_file(), "the shipped draft needs its model card"
