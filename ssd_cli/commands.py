@@ -305,7 +305,28 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
-    report = train_draft(Path(args.out), str(resolve_model(target)), cfg, stage=args.stage)
+    out, target_dir = Path(args.out), str(resolve_model(target))
+    if args.stage == "eval":
+        return _eval_draft(out, target_dir, cfg)
+    report = train_draft(out, target_dir, cfg, stage=args.stage)
     if report:
         print_json({k: report[k] for k in ("steps", "params", "draft_vocab", "train_tokens", "heldout_gen")})
+    return 0
+
+
+def _eval_draft(out: Path, target_dir: str, cfg) -> int:
+    """Measure the exported draft (SD tokens per round, cost) and record it in the report and the card."""
+    import json
+
+    from benchmarks.draft_quality import draft_quality
+    from spec_core.training.draft_card import write_card
+
+    report_file, draft = out / "report.json", out / "draft"
+    if not report_file.is_file() or not (draft / "config.json").is_file():
+        raise CliError(f"no exported draft in {out}; run the training stages first")
+    report = json.loads(report_file.read_text())
+    report["sd"] = draft_quality(target_dir, str(draft))
+    report_file.write_text(json.dumps(report, indent=1) + "\n")
+    write_card(draft, report, cfg)
+    print_json(report["sd"])
     return 0

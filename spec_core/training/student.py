@@ -139,6 +139,12 @@ def distill_loss(model, x, ids, logp, token_map) -> tuple[torch.Tensor, torch.Te
     return loss, agree
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); else autocast would only slow training."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return cpu in ("AVX512", "AMX") and torch.cpu._is_avx512_bf16_supported()
+
+
 def lr_at(step: int, tc) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
@@ -182,13 +188,15 @@ def train_student(out: Path, target_path: str, cfg, progress) -> None:
         torch.set_rng_state(state["torch_rng"])
         logger.info("student: resumed at step %d", step)
     model.train()
+    autocast = tc.bf16_autocast and native_bf16()
     bar = progress(total=tc.steps, initial=step, desc="train-draft", unit="step")
     t0, ema = time.time(), None
     while step < tc.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         x, ids, logp = data.sample(tc.batch_tokens)
-        loss, agree = distill_loss(model, x, ids, logp, token_map)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, agree = distill_loss(model, x, ids, logp, token_map)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -225,6 +233,30 @@ def heldout_agreement(model, docs, token_map: torch.Tensor, seq_len: int) -> dic
     return {"top1_agreement": hits / max(1, n), "soft_ce": nll / max(1, n), "tokens": n}
 
 
+def heldout_stdlib_docs(target_path: str, token_map: torch.Tensor, cfg, max_tokens: int = 12_000) -> list:
+    """The held-out stdlib files (never trained on), teacher-labelled in fp32, as (tokens, map ids, log-probs)."""
+    from spec_core.models import load_tokenizer
+    from spec_core.runner import ModelRunner
+    from spec_core.training.corpus import load_corpus
+    from spec_core.training.draft_data import label_chunks
+
+    if cfg.data.stdlib_tokens < 10_000:  # smoke runs: no held-out pass
+        return []
+    tok = load_tokenizer(target_path)
+    chunks, total = [], 0
+    for _, text in load_corpus().heldout:
+        ids = np.asarray(tok(text)["input_ids"], dtype=np.int32)
+        for s in range(0, len(ids) - 64, cfg.data.chunk_len):
+            if total >= max_tokens:
+                break
+            chunks.append(ids[s:s + cfg.data.chunk_len])
+            total += len(chunks[-1])
+    ids, logp = label_chunks(ModelRunner(target_path), chunks, cfg.data.top_k)
+    inv = np.full(65536, -1, dtype=np.int64)
+    inv[token_map.numpy()] = np.arange(len(token_map))
+    return [(c, inv[i.astype(np.int64)], lp) for c, i, lp in zip(chunks, ids, logp)]
+
+
 def export_draft(out: Path, target_path: str, cfg) -> dict:
     """Write ``OUT/draft`` (bf16 safetensors, the target's tokenizer, the token map) and ``OUT/report.json``."""
     from transformers import AutoTokenizer
@@ -247,8 +279,15 @@ def export_draft(out: Path, target_path: str, cfg) -> dict:
         "draft_vocab": len(token_map),
         "train_tokens": data.num_tokens,
         "heldout_gen": heldout_agreement(model, data.heldout, token_map, 512),
+        "heldout_stdlib": heldout_agreement(model, heldout_stdlib_docs(target_path, token_map, cfg), token_map, 512),
     }
+    old = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    if old.get("steps") == report["steps"] and "sd" in old:
+        report["sd"] = old["sd"]  # measured for these same weights
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    from spec_core.training.draft_card import write_card
+
+    write_card(dest, report, cfg)
     logger.info("draft exported to %s: %s", dest, report["heldout_gen"])
     return report
 
