@@ -142,6 +142,9 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
     for attr in ("quantization_config", "_name_or_path"):
         if hasattr(config, attr):
             delattr(config, attr)
+    key_length = _field(reader, f"{architecture(reader)}.attention.key_length")
+    if key_length is not None:  # transformers' reader leaves Qwen3's head_dim at its default
+        config.head_dim = int(key_length)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     config.dtype = "float32"

@@ -113,3 +113,87 @@ def test_reconversion_is_skipped_when_the_record_matches(wheel_gguf, real_pair, 
     stale = tmp_path / "stale"
     shutil.copytree(folder, stale, ignore=shutil.ignore_patterns("model.safetensors"))
     assert not converted_ok(stale, TARGET_GGUF_SHA256)
+
+
+def _write_tiny_gguf(path: Path, arch: str, wheel_gguf: Path) -> None:
+    """A tiny random model of ``arch`` in GGUF (2-D weights Q8_0, norms F32), with SmolLM2's tokenizer fields."""
+    import gguf
+    import numpy as np
+
+    src = gguf.GGUFReader(str(wheel_gguf))
+    rng = np.random.default_rng(7)
+    # head_dim 128, as in real Qwen3 models (transformers' Qwen3 GGUF reader assumes it)
+    vocab, hidden, inter, heads, kv, layers = 49152, 256, 128, 2, 1, 2
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(hidden // heads)
+    w.add_value_length(hidden // heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(src.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(src.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(src.fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+
+    def mat(name, rows, cols):
+        q = gguf.quantize(rng.normal(0, 0.2, (rows, cols)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    def vec(name, n, base=1.0):
+        w.add_tensor(name, (base + rng.normal(0, 0.1, n)).astype(np.float32))
+
+    mat("token_embd.weight", vocab, hidden)
+    vec("output_norm.weight", hidden)
+    hd = hidden // heads
+    for i in range(layers):
+        vec(f"blk.{i}.attn_norm.weight", hidden)
+        vec(f"blk.{i}.ffn_norm.weight", hidden)
+        for name, rows in (("attn_q", heads * hd), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+            mat(f"blk.{i}.{name}.weight", rows, hidden)
+            if arch == "qwen2":
+                vec(f"blk.{i}.{name}.bias", rows, base=0.0)
+        mat(f"blk.{i}.attn_output.weight", hidden, heads * hd)
+        if arch == "qwen3":
+            vec(f"blk.{i}.attn_q_norm.weight", hd)
+            vec(f"blk.{i}.attn_k_norm.weight", hd)
+        mat(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        mat(f"blk.{i}.ffn_up.weight", inter, hidden)
+        mat(f"blk.{i}.ffn_down.weight", hidden, inter)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_family_gguf(arch, wheel_gguf, tmp_path):
+    """A Qwen-family GGUF converts to the same tensors as transformers' loader, and our runner's logits on the
+    converted folder match transformers' model loaded from the GGUF itself."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_core.gguf_checkpoint import convert_gguf
+    from spec_core.runner import ModelRunner
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_tiny_gguf(path, arch, wheel_gguf)
+    folder = convert_gguf(path, tmp_path / "hf")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == arch
+    ours = load_file(str(folder / "model.safetensors"))
+    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    ref = {k: v for k, v in ref_model.state_dict().items() if k != "lm_head.weight"}
+    assert set(ours) == set(ref)
+    assert all(torch.equal(ours[k], ref[k]) for k in ours)
+    runner = ModelRunner(folder)
+    x = torch.tensor([[1, 504, 3575, 282, 4649, 314]])
+    logits = runner.forward(runner.new_cache(1, 8), x, torch.arange(6)[None])
+    with torch.no_grad():
+        assert (logits - ref_model(x).logits).abs().max().item() < 1e-4
