@@ -44,3 +44,15 @@ def test_toy_pair_contract(toy_pair):
     assert 1e6 <= sizes["draft"] <= 3e6, sizes
     total_mb = sum(f.stat().st_size for p in toy_pair.values() for f in Path(p).iterdir()) / 2**20
     assert total_mb < 50, total_mb
+
+
+def test_real_pair_contract(real_pair):
+    """The default pair: SmolLM2-135M-Instruct and a shipped draft of at most 40 MB with its card and map."""
+    t = json.loads(Path(real_pair["target"], "config.json").read_text())
+    assert (t["model_type"], t["num_hidden_layers"], t["hidden_size"], t["vocab_size"]) == ("llama", 30, 576, 49152)
+    draft = Path(real_pair["draft"])
+    d = json.loads((draft / "config.json").read_text())
+    assert d["vocab_size"] == 49152 and d["model_type"] == "llama"
+    assert (draft / "README.md").is_file() and (draft / "token_map.json").is_file()
+    assert sum(f.stat().st_size for f in draft.iterdir()) <= 40 * 2**20
+    assert str(draft).startswith(str(Path(__file__).resolve().parent.parent / "spec_core"))  # ships in the repo

@@ -150,10 +150,3 @@ def test_bad_stage_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--out", str(tmp_path), "--stage", "x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("ssd: error:") and "--stage" in proc.stderr
-
-
-def test_shipped_draft_card_exists():
-    from spec_core.model_paths import default_pair
-
-    card = Path(default_pair()["draft"]) / "README.md"
-    assert card.is_file(), "the shipped draft needs its model card"
