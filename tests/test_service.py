@@ -77,7 +77,7 @@ def test_logprobs_are_the_targets(service, toy_pair) -> None:
     (pb.GenerateRequest(prompt_token_ids=[1, 99999]), "out of vocabulary"),
     (pb.GenerateRequest(prompt_token_ids=[-1]), "out of vocabulary"),
     (pb.GenerateRequest(prompt="x " * 3000), "context limit"),
-    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "not both"),
+    (pb.GenerateRequest(prompt="x", prompt_token_ids=[1]), "exactly one"),
 ])
 def test_bad_input_is_invalid_argument(service, req, match) -> None:
     _, address = service
