@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spec_core.runner import TOKEN_MAP_FILE
 from spec_core.training.draft_data import load_shards
 
 logger = logging.getLogger(__name__)
 
-TOKEN_MAP_FILE = "token_map.json"
 SPECIAL_IDS = (0, 1, 2)
 
 
@@ -265,11 +265,10 @@ def export_draft(out: Path, target_path: str, cfg) -> dict:
     model = new_student(out, target_path, cfg)
     state = torch.load(out / "ckpt" / "student.pt", weights_only=False)
     model.load_state_dict(state["model"])
-    model = model.to(torch.bfloat16).float()  # report what ships: bf16-rounded weights
     dest = out / "draft"
     dest.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(dest)
-    model.float()
+    model.to(torch.bfloat16).save_pretrained(dest)  # what ships
+    model.float()  # and what is evaluated: the same bf16-rounded weights, computed in fp32
     AutoTokenizer.from_pretrained(target_path).save_pretrained(dest)
     (dest / TOKEN_MAP_FILE).write_text(json.dumps([int(i) for i in token_map]) + "\n")
     report = {
