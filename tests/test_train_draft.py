@@ -149,3 +149,19 @@ def test_bad_stage_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--out", str(tmp_path), "--stage", "x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("ssd: error:") and "--stage" in proc.stderr
+
+
+def test_training_prompts_share_nothing_with_the_eval_prompts():
+    """No HumanEval prompt line and none of our chat eval questions appears in the draft's training prompts."""
+    from spec_core.prompts import chat_prompts, humaneval_prompts
+    from spec_core.training.corpus import load_corpus
+    from spec_core.training.draft_data import DataConfig
+    from spec_core.training.draft_prompts import build_prompts
+
+    cfg = DataConfig()
+    code, chats = build_prompts(load_corpus(), cfg.num_code_prompts, cfg.num_chat_prompts, cfg.seed)
+    train_text = "\n".join(code + [m[0]["content"] for m in chats])
+    he_lines = {ln.strip() for p in humaneval_prompts() for ln in p.splitlines() if len(ln.strip()) >= 40}
+    assert he_lines and not [ln for ln in he_lines if ln in train_text]
+    questions = [p.messages[-1][1] for p in chat_prompts()]
+    assert not [q for q in questions if q in train_text]
