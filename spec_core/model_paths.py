@@ -11,6 +11,7 @@ fast unit tests.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from importlib import resources
@@ -106,6 +107,13 @@ def resolve_model(path: str | Path) -> Path:
     p = check_model_dir(path)
     if not is_gguf(p):
         return p
+    st = p.resolve().stat()
+    return _converted(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _converted(path: str, size: int, mtime_ns: int) -> Path:
+    """The converted folder of one GGUF file version (hashed once per process, not once per loader)."""
     from spec_core.gguf_checkpoint import convert_gguf
 
-    return convert_gguf(p)
+    return convert_gguf(path)
