@@ -28,10 +28,12 @@ from spec_core.prompts import humaneval_prompts, read_prompt_file
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "sd-2t",
-               "hf-generate-2t")
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
+               "hf-generate-2t", "llama-cpp", "llama-cpp-2t")
 #: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
-TWO_THREAD_MODES = {"sd-2t": "sd", "hf-generate-2t": "hf-generate"}
+TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
+#: The peer, AR through llama-cpp-python on the target's GGUF (an optional extra), on 1 and on 2 threads.
+LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,23 +148,37 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "ttft_s_p50": _percentile(runs.ttfts, 50),
         "itl_s_p50": _percentile(runs.itls, 50),
         "itl_s_p99": _percentile(runs.itls, 99),
-        "mean_tokens_per_round": s.mean_tokens_per_round if mode != "ar" else 1.0,
-        "batching": "batch 1" if mode.startswith("hf") else None,
-        "target_threads": 2 if mode in TWO_THREAD_MODES else None,
+        "mean_tokens_per_round": s.mean_tokens_per_round if not _is_ar(mode) else 1.0,
+        "batching": "batch 1" if mode.startswith(("hf", "llama")) else None,
+        "target_threads": 2 if mode in TWO_THREAD_MODES or mode == "llama-cpp-2t" else None,
         "acceptance_rate": s.acceptance_rate,
-        "acceptance_by_position": s.acceptance_by_position() if mode != "ar" else None,
+        "acceptance_by_position": s.acceptance_by_position() if not _is_ar(mode) else None,
         "cache_hit_rate": _mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
         "verifier_idle_fraction": _mean([e["verifier_idle_fraction"] for e in ssd_extra or []
                                          if e["verifier_idle_fraction"] is not None]),
         "link_bytes_per_round": _mean([e["link_bytes_per_round"] for e in ssd_extra or []
                                        if e.get("link_bytes_per_round") is not None]),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
-        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and mode != "ar" else None,
+        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and not _is_ar(mode) else None,
         "num_runs": len(tps),
         "num_generated": s.num_generated,
         "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def _is_ar(mode: str) -> bool:
+    return mode in ("ar", "ar-2t") or mode in LLAMA_CPP_MODES
+
+
+def skipped_row(mode: str, temp: float, reason: str) -> dict:
+    """A mode that could not run here: every field of a result row, empty, and why."""
+    keys = ("tokens_per_s", "tokens_per_s_median_run", "tokens_per_s_min_run", "tokens_per_s_max_run", "ttft_s_p50",
+            "itl_s_p50", "itl_s_p99", "mean_tokens_per_round", "batching", "target_threads", "acceptance_rate",
+            "acceptance_by_position", "cache_hit_rate", "verifier_idle_fraction", "link_bytes_per_round",
+            "verify_s_per_round", "draft_s_per_round", "matches_target_greedy")
+    return {"mode": mode, "concurrency": 1, "temperature": temp, **dict.fromkeys(keys), "num_runs": 0,
+            "num_generated": 0, "skipped": reason}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -187,6 +203,19 @@ class ModeRunner:
         self.hf: dict[str, object] = {}
         self.assistant_tokens: int | None = None
         modes = set(settings.modes)
+        #: modes that cannot run here, with the reason (reported as skipped rows)
+        self.skipped: dict[str, str] = {}
+        self.llama_cpp = None
+        if modes & set(LLAMA_CPP_MODES):
+            from benchmarks.llama_cpp_mode import LlamaCppAR, target_gguf, unavailable_reason
+
+            reason = unavailable_reason(target.path)
+            if reason is None:
+                self.llama_cpp = LlamaCppAR(target_gguf(target.path))
+            else:
+                for m in modes & set(LLAMA_CPP_MODES):
+                    self.skipped[m] = reason
+                sys.stderr.write(f"bench: skipping {', '.join(sorted(modes & set(LLAMA_CPP_MODES)))}: {reason}\n")
         if modes & {"hf-generate", "hf-generate-2t", "hf-assisted", "hf-assisted-tuned"}:
             from benchmarks.hf_baselines import HFGenerate
 
@@ -267,6 +296,8 @@ class ModeRunner:
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         if mode in TWO_THREAD_MODES:
             return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
+        if mode in LLAMA_CPP_MODES:
+            return self._llama_cpp(mode, prompt, params)
         if mode == "ssd-service":
             self.service.configure(adaptive=False)
             with self.unpinned():
@@ -300,6 +331,16 @@ class ModeRunner:
                 os.sched_setaffinity(0, pinned)
         return res
 
+    def _llama_cpp(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        """The peer on 1 thread (pinned as our target is) or on 2 (every core this process may use)."""
+        threads = LLAMA_CPP_MODES[mode]
+        ids = self.gen.encode(prompt)
+        ctx = self.unpinned() if threads > 1 else contextlib.nullcontext()
+        with ctx:
+            tokens, stats, ttft, times = self.llama_cpp.generate(ids, params, self.gen.pair.eos_ids, threads)
+        return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
+                                stats=stats, ttft_s=ttft, emit_times=times)
+
     def _hf(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         ids = self.gen.encode(prompt)
         tokens, stats, ttft = self.hf[mode].generate(ids, params)
@@ -331,19 +372,20 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
              summary: bool = True, on_block=None) -> dict:
     gen = runner.gen
     prompts = _prompts(settings)
-    for mode in settings.modes:  # warm-up
+    modes = tuple(m for m in settings.modes if m not in runner.skipped)
+    for mode in modes:  # warm-up
         runner.run(mode, prompts[0], SamplingParams(max_new_tokens=4))
     runner.tune_assistant(prompts, settings)
     results = []
     for temp in settings.temperatures:
-        runs = {m: ModeRuns.empty() for m in settings.modes}
+        runs = {m: ModeRuns.empty() for m in modes}
         runner.ssd_extra = {"ssd": [], "ssd-service": []}
         reference: dict[tuple[int, int], list[int]] = {}
-        total = len(prompts) * settings.repeats * len(settings.modes) if 1 in settings.concurrency else 0
+        total = len(prompts) * settings.repeats * len(modes) if 1 in settings.concurrency else 0
         with progress(total, f"T={temp} concurrency 1") as bar:
             for pi, prompt in enumerate(prompts if total else []):
                 for rep in range(settings.repeats):
-                    order = settings.modes[rep % len(settings.modes):] + settings.modes[: rep % len(settings.modes)]
+                    order = modes[rep % len(modes):] + modes[: rep % len(modes)]
                     for mode in order:
                         params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
                                                 ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
@@ -365,7 +407,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                              for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
         if 1 in settings.concurrency:
             results.extend(_summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
-                           for m in settings.modes)
+                           if m in runs else skipped_row(m, temp, runner.skipped[m]) for m in settings.modes)
             if on_block is not None:
                 on_block(_report(settings, runner, target, draft, results))
         for c in (c for c in settings.concurrency if c > 1):
@@ -383,6 +425,7 @@ def _report(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, dr
     return {
         "hardware": hardware_info(),
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
+                     "dtype": target.resolved_dtype, "device": target.device,
                      "hf_assisted_tuned_num_assistant_tokens": runner.assistant_tokens,
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
         "results": list(results),
@@ -395,7 +438,7 @@ BATCHED_MODES = ("ar", "sd", "ssd", "ssd-service")
 def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[str], temp: float, c: int,
                      reference: dict) -> list[dict]:
     """Every batched mode at concurrency ``c`` over all prompts (repeats rotate the mode order)."""
-    modes = [m for m in settings.modes if m in BATCHED_MODES]
+    modes = [m for m in settings.modes if m in BATCHED_MODES and m not in runner.skipped]
     acc: dict[str, list[dict]] = {m: [] for m in modes}
     with progress(settings.repeats * len(modes), f"T={temp} concurrency {c}") as bar:
         for rep in range(settings.repeats):
@@ -439,6 +482,9 @@ def print_summary(report: dict) -> None:
               f"{'hit':>6}{'greedy=AR':>11}\n")
     base = {(r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
     for r in report["results"]:
+        if r.get("skipped"):
+            out.write(f"{r['mode']:<18}{r['concurrency']:>5}{r['temperature']:>5.2f}  skipped: {r['skipped']}\n")
+            continue
         b = base.get((r["temperature"], r["concurrency"]))
         ratio = r["tokens_per_s"] / b if b and r["tokens_per_s"] else None
         acc, hit = r["acceptance_rate"], r["cache_hit_rate"]

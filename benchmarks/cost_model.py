@@ -1,7 +1,14 @@
 """Forward-pass costs of a target/draft pair on the project's runner (``ssd bench-costs``).
 
-Reports T(1) of each model (one new token at a given context), c = T_draft(1) / T_target(1), and
-V(K) = T_target(K+1) / T_target(1), timed as medians of repeated calls on the current thread setting.
+For one dtype, device and thread count (a *row*), it reports:
+- T(1) of each model (one new token after ``context`` cached tokens) and c = T_draft(1) / T_target(1);
+- V(K) = T_target(K+1) / T_target(1);
+- the target's weight matmuls alone for one token (``target_matmul_t1_s``: the same products, no attention,
+  norms or glue), so T(1) / matmuls says how much of a step is overhead;
+- the memory floor: the bytes of weights one token reads / the measured memory read bandwidth of the same threads
+  (``floor_t1_s``), the time below which no runner can go.
+
+Times are medians of repeated calls. On CUDA every timed call is synchronised.
 """
 
 from __future__ import annotations
@@ -9,32 +16,71 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 
 from spec_core.runner import ModelRunner
 
 
-def time_forward(runner: ModelRunner, context: int, new_tokens: int, repeats: int = 200) -> float:
-    """Median seconds of one forward over ``new_tokens`` tokens after ``context`` cached tokens."""
-    cache = runner.new_cache(1, context + new_tokens + 1)
-    runner.forward(cache, torch.randint(0, runner.vocab_size, (1, context)), torch.arange(context)[None])
-    ids = torch.randint(0, runner.vocab_size, (1, new_tokens))
-    pos = torch.arange(context, context + new_tokens)[None]
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        runner.forward(cache, ids, pos)
+        fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def _spin_draft(draft_path: str, core: int, context: int, stop) -> None:
+def time_forward(runner: ModelRunner, context: int, new_tokens: int, repeats: int = 200) -> float:
+    """Median seconds of one forward over ``new_tokens`` tokens after ``context`` cached tokens."""
+    dev = runner.device
+    cache = runner.new_cache(1, context + new_tokens + 1)
+    runner.forward(cache, torch.randint(0, runner.vocab_size, (1, context), device=dev),
+                   torch.arange(context, device=dev)[None])
+    ids = torch.randint(0, runner.vocab_size, (1, new_tokens), device=dev)
+    pos = torch.arange(context, context + new_tokens, device=dev)[None]
+    return median_time(lambda: runner.forward(cache, ids, pos), dev, repeats)
+
+
+@torch.inference_mode()
+def time_matmuls(runner: ModelRunner, rows: int = 1, repeats: int = 200) -> float:
+    """Median seconds of the runner's weight matmuls alone, for ``rows`` tokens, in its dtype and layout."""
+    mats = runner.weight_matrices()
+    xs = {m.shape[0]: torch.randn(rows, m.shape[0], dtype=runner.dtype, device=runner.device) for m in mats}
+
+    def run() -> None:
+        for m in mats:
+            xs[m.shape[0]] @ m
+
+    return median_time(run, runner.device, repeats)
+
+
+@torch.inference_mode()
+def read_bandwidth(device: torch.device, nbytes: int = 512 << 20, repeats: int = 7) -> float:
+    """Memory read bandwidth (bytes/s) of the current threads: a sum over a buffer far larger than the caches."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    return nbytes / median_time(lambda: buf.sum(), device, repeats)
+
+
+def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop) -> None:
     """Keep another core busy the way the SSD drafter does: draft forwards, back to back."""
+    from spec_core.config import parse_dtype
+
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    draft = ModelRunner(draft_path)
+    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype))
     cache = draft.new_cache(1, context + 2)
     draft.forward(cache, torch.randint(0, draft.vocab_size, (1, context)), torch.arange(context)[None])
     ids, pos = torch.randint(0, draft.vocab_size, (1, 1)), torch.tensor([[context]])
@@ -43,13 +89,13 @@ def _spin_draft(draft_path: str, core: int, context: int, stop) -> None:
 
 
 def target_t1_with_other_core_busy(target: ModelRunner, draft_path: str, context: int, other_core: int,
-                                   repeats: int) -> float:
+                                   repeats: int, dtype: str = "float32") -> float:
     """T_target(1) while the draft model runs non-stop on ``other_core`` (shared caches and memory bandwidth)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    proc = ctx.Process(target=_spin_draft, args=(draft_path, other_core, context, stop), daemon=True)
+    proc = ctx.Process(target=_spin_draft, args=(draft_path, other_core, context, dtype, stop), daemon=True)
     proc.start()
     try:
         time.sleep(3.0)  # let it load and start spinning
@@ -59,25 +105,46 @@ def target_t1_with_other_core_busy(target: ModelRunner, draft_path: str, context
         proc.join(10)
 
 
-def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: int = 8, core: int | None = 0,
-                  repeats: int = 200) -> dict:
-    """Pin to ``core`` with one torch thread, then time both models."""
+@contextmanager
+def pinned(cores: set[int] | None, threads: int):
+    """Run the block on ``cores`` (CPU affinity; ``None`` leaves it) with ``threads`` torch threads."""
     old_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     old_threads = torch.get_num_threads()
     try:
-        if core is not None and old_affinity is not None:
-            os.sched_setaffinity(0, {core})
-        torch.set_num_threads(1)
-        target, draft = ModelRunner(target_path), ModelRunner(draft_path)
-        t1 = time_forward(target, context, 1, repeats)
-        d1 = time_forward(draft, context, 1, repeats)
-        v = {k: time_forward(target, context, k + 1, max(20, repeats // 4)) / t1 for k in range(1, k_max + 1)}
-        busy = None
-        if core is not None and (os.cpu_count() or 1) > 1:
-            busy = target_t1_with_other_core_busy(target, draft_path, context, 1 if core == 0 else 0, repeats)
+        if cores is not None and old_affinity is not None:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        yield
     finally:
         if old_affinity is not None:
             os.sched_setaffinity(0, old_affinity)
         torch.set_num_threads(old_threads)
-    return {"context": context, "target_t1_s": t1, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
+
+
+def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: int = 8, core: int | None = 0,
+                  repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1) -> dict:
+    """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
+    then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
+    from spec_core.config import parse_dtype, resolve_dtype
+
+    name = resolve_dtype(dtype, device)
+    on_cpu = torch.device(device).type == "cpu"
+    ncpu = os.cpu_count() or 1
+    cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
+    with pinned(cores, threads):
+        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device)
+        draft = ModelRunner(draft_path, dtype=parse_dtype(name), device=device)
+        t1 = time_forward(target, context, 1, repeats)
+        d1 = time_forward(draft, context, 1, repeats)
+        matmul = time_matmuls(target, 1, repeats)
+        v = {k: time_forward(target, context, k + 1, max(5, repeats // 4)) / t1 for k in range(1, k_max + 1)}
+        bandwidth = read_bandwidth(target.device)
+        busy = None
+        if on_cpu and core is not None and threads == 1 and ncpu > 1:
+            busy = target_t1_with_other_core_busy(target, draft_path, context, 1 if core == 0 else 0, repeats, name)
+    weight_bytes = target.weight_bytes_per_token()
+    return {"dtype": name, "device": str(target.device), "threads": threads, "context": context,
+            "target_t1_s": t1, "target_matmul_t1_s": matmul, "t1_over_matmul": t1 / matmul,
+            "floor_t1_s": weight_bytes / bandwidth, "weight_bytes_per_token": weight_bytes,
+            "read_bandwidth_gbs": bandwidth / 1e9, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
             "c": d1 / t1, "target_over_draft": t1 / d1, "V": v}

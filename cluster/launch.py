@@ -42,7 +42,7 @@ class PairConfig:
     k: int = 2
     budget: int = FanoutConfig().budget
     saguaro_c: float = 1.0
-    dtype: str = "float32"
+    dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 50051
     max_num_seqs: int = 16

@@ -35,7 +35,7 @@ api = FastAPI(title="ssd-serve", description="OpenAI-compatible completions over
 @serve.ingress(api)
 class SSDServer:
     def __init__(self, target: str | None = None, draft: str | None = None, k: int = 2,
-                 use_gpu: bool | None = None, model_name: str = "ssd-default") -> None:
+                 use_gpu: bool | None = None, model_name: str = "ssd-default", dtype: str = "auto") -> None:
         import ray
         from grpc import aio
 
@@ -46,7 +46,7 @@ class SSDServer:
 
         pair = default_pair()
         pg = ray.util.get_current_placement_group()
-        cfg = PairConfig(target or pair["target"], draft or pair["draft"], k=k, port=0, use_gpu=use_gpu)
+        cfg = PairConfig(target or pair["target"], draft or pair["draft"], k=k, port=0, use_gpu=use_gpu, dtype=dtype)
         self.deployment = launch(cfg, placement_group=pg)
         self.model_name = model_name
         self.channel = aio.insecure_channel(self.deployment.address, options=channel_options())
@@ -139,7 +139,7 @@ def build_app(args: dict):
         placement_group_bundles=pair_bundles(use_gpu, cpus, replica_cpus),
         placement_group_strategy=args.get("strategy", "PACK"),
     ).bind(target=args.get("target"), draft=args.get("draft"), k=int(args.get("k", 2)), use_gpu=use_gpu,
-           model_name=args.get("model_name", "ssd-default"))
+           model_name=args.get("model_name", "ssd-default"), dtype=str(args.get("dtype", "auto")))
 
 
 #: The default application: one replica, a GPU each for drafter and verifier (override with ``build_app``).

@@ -33,7 +33,7 @@ SERVICE = "ssd.v1.Drafter"
 class DrafterServerConfig:
     draft_path: str
     ssd: SSDConfig = field(default_factory=SSDConfig)
-    dtype: str = "float32"
+    dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
     device: str = "cpu"
     backup: str = "ngram"
     wait_fraction: float = 0.5
@@ -165,7 +165,7 @@ class DrafterServer:
 
         self.config = config
         path = check_model_dir(config.draft_path)
-        self.runner = ModelRunner(path, dtype=parse_dtype(config.dtype), device=config.device)
+        self.runner = ModelRunner(path, dtype=parse_dtype(config.dtype, config.device), device=config.device)
         self.vocab_hash = vocab_hash(load_tokenizer(path))
         self.servicer = DrafterServicer(self.runner, config, self.vocab_hash)
         self.thread: ServerThread | None = None

@@ -16,21 +16,44 @@ Mode = Literal["ar", "sd", "ssd"]
 MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+           "float16": "float16", "fp16": "float16", "auto": "auto"}
+#: what every command and service uses unless told: bf16 where the device multiplies it natively, else fp32
+DEFAULT_DTYPE = "auto"
 
 
 def check_dtype(name: str) -> str:
-    """The canonical dtype name for ``name`` (``ValueError`` if unknown)."""
+    """The canonical dtype name for ``name`` (``ValueError`` if unknown); ``auto`` stays ``auto``."""
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(_DTYPES))}") from None
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether ``device`` has native bf16 matrix support: CPU AVX512-BF16 or AMX, or a CUDA GPU that has it."""
     import torch
 
-    return getattr(torch, check_dtype(name))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if dev.type != "cpu":
+        return False
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return cpu in ("AVX512", "AMX") and bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """The concrete dtype name: ``auto`` becomes ``bfloat16`` where :func:`native_bf16`, else ``float32``."""
+    name = check_dtype(name)
+    if name != "auto":
+        return name
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    import torch
+
+    return getattr(torch, resolve_dtype(name, device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +69,12 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.dtype, self.device)
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype actually used (``auto`` resolved for the device)."""
+        return resolve_dtype(self.dtype, self.device)
 
 
 @dataclass(frozen=True, slots=True)

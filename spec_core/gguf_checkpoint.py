@@ -159,7 +159,8 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
                      pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
     save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "gguf_sha256": digest})
-    (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "sha256": digest,
+    (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "path": str(Path(gguf_path).resolve()),
+                                                     "sha256": digest,
                                                  "architecture": architecture(reader)}, indent=1) + "\n")
 
 

@@ -233,6 +233,17 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
+    def weight_matrices(self) -> list[torch.Tensor]:
+        """Every weight matrix one decode step multiplies by (``[in, out]``), in order: what a token must read."""
+        mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return mats + [self.lm_head]
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: the matrices, the norms and one embedding row."""
+        norms = [self.norm] + [n for layer in self.layers for n in (layer.ln_attn, layer.ln_mlp)]
+        tensors = self.weight_matrices() + norms + [self.embed[0]]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.spec, num_blocks, block_size, self.dtype, self.device)
 

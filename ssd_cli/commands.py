@@ -95,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         result = gen.generate(prompt, params, mode=args.mode)
     if args.json:
-        print_json({**result.to_json(), **extra})
+        print_json({**result.to_json(), **extra, "dtype": target.resolved_dtype})
     else:
         sys.stdout.write(result.text + "\n")
         tps = result.stats.tokens_per_s
@@ -167,7 +167,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pair = default_pair()
     for path in pair.values():
         check_model_dir(path)
-    gen = Generator(ModelConfig(pair["target"]), ModelConfig(pair["draft"]), k=args.k)
+    target = ModelConfig(pair["target"], dtype=args.dtype)
+    gen = Generator(target, ModelConfig(pair["draft"], dtype=args.dtype), k=args.k)
     prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up
@@ -175,7 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sd = gen.generate(prompt, params, mode="sd")
     out = sys.stdout
     out.write(f"user: {args.chat}\nassistant: {sd.text}\n")
-    out.write("-" * 72 + f"\n{len(ar.token_ids)} tokens, greedy, fp32, one thread\n")
+    out.write("-" * 72 + f"\n{len(ar.token_ids)} tokens, greedy, {target.resolved_dtype}, one thread\n")
     out.write(f"AR : {ar.stats.tokens_per_s:8.1f} tok/s\n")
     out.write(
         f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
@@ -187,6 +188,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out.write(f"speedup over AR: SD {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, "
               f"SSD {ssd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
               f"greedy outputs identical: {ar.token_ids == sd.token_ids == ssd.token_ids}\n")
+    if target.resolved_dtype != "float32":
+        out.write(f"({target.resolved_dtype}: every mode verifies with the same model, but a {target.resolved_dtype} "
+                  "forward over several tokens may round differently from one-token steps; --dtype float32 is "
+                  "exact)\n")
     return 0
 
 
@@ -235,10 +240,37 @@ def cmd_bench_verifier(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_costs(args: argparse.Namespace) -> int:
+    """One row per ``--dtype`` (a comma list), each on ``--threads`` pinned threads from ``--core`` on ``--device``."""
+    from spec_core.config import check_dtype
+
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    try:
+        for d in dtypes:
+            check_dtype(d)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.threads < 1 or args.repeats < 1 or args.k_max < 1:
+        raise CliError("--threads, --repeats and --k-max must be >= 1")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {args.device}: CUDA is not available on this machine")
+    quiet_transformers()
     from benchmarks.cost_model import measure_costs
 
-    target, draft = _model_configs(args, need_draft=True)
-    print_json(measure_costs(target.path, draft.path, context=args.context, core=args.core, repeats=args.repeats))
+    pair = _model_configs(argparse.Namespace(**{**vars(args), "dtype": dtypes[0]}), need_draft=True)
+    rows = []
+    for d in dtypes:
+        row = measure_costs(pair[0].path, pair[1].path, context=args.context, k_max=args.k_max, core=args.core,
+                            repeats=args.repeats, dtype=d, device=args.device, threads=args.threads)
+        sys.stderr.write(f"{row['dtype']:>9} {row['threads']} thread(s) on {row['device']}: T(1) "
+                         f"{row['target_t1_s'] * 1e3:.1f} ms, matmuls alone {row['target_matmul_t1_s'] * 1e3:.1f} ms, "
+                         f"floor {row['floor_t1_s'] * 1e3:.1f} ms ({row['weight_bytes_per_token'] / 1e6:.0f} MB at "
+                         f"{row['read_bandwidth_gbs']:.1f} GB/s), V(4) {row['V'].get(4, float('nan')):.2f}, "
+                         f"c {row['c']:.3f}\n")
+        rows.append(row)
+    print_json({"target": pair[0].path, "draft": pair[1].path, "rows": rows, **rows[0]})
     return 0
 
 
@@ -300,7 +332,20 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.INFO)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = DraftTrainConfig.smoke() if args.smoke else DraftTrainConfig()
+    if args.init:
+        check_model_dir(args.init)
+        if not (Path(args.init) / "token_map.json").is_file() or not (Path(args.init) / "config.json").is_file():
+            raise CliError(f"--init {args.init}: not an exported draft (needs config.json and token_map.json)")
+    if args.smoke:
+        cfg = DraftTrainConfig.smoke()
+        if args.init:
+            from dataclasses import replace
+
+            base = DraftTrainConfig.finetune(args.init)
+            cfg = replace(cfg, shape=base.shape, draft_vocab=base.draft_vocab, init_from=base.init_from,
+                          data=replace(cfg.data, stdlib_tokens=0, num_selfinstruct=4, code_ignore_eos=True))
+    else:
+        cfg = DraftTrainConfig.finetune(args.init) if args.init else DraftTrainConfig()
     if args.steps is not None:
         from dataclasses import replace
 

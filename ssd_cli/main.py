@@ -22,7 +22,7 @@ class CliError(Exception):
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto)")
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
     b.add_argument("--modes", default="ar,sd")
@@ -108,11 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     bv.add_argument("--out", help="write results JSON here")
     _add_model_flags(bv)
 
-    bc = sub.add_parser("bench-costs", help="time T(1) of target and draft on one pinned thread; c and V(K)")
+    bc = sub.add_parser("bench-costs", help="time T(1) of target and draft (one pinned thread by default), their "
+                        "weight matmuls alone and the memory floor; c and V(K). --dtype takes a comma list (one row "
+                        "each)")
     bc.add_argument("--context", type=int, default=256)
     bc.add_argument("--core", type=int, default=0)
     bc.add_argument("--repeats", type=int, default=200)
+    bc.add_argument("--k-max", type=int, default=8, help="V(K) for K = 1..K_MAX (default 8)")
     _add_model_flags(bc)
+    bc.set_defaults(threads=1)
 
     t = sub.add_parser("train-pair", help="train the target/draft pair on the stdlib source")
     t.add_argument("--out", required=True)
@@ -130,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--target", help="teacher: HF folder or .gguf (default: the default target)")
     td.add_argument("--stage", default="all", help="data-stdlib | data-gen | vocab | train | export | all")
     td.add_argument("--steps", type=int, help="optimizer steps (default 6000)")
+    td.add_argument("--init", help="an exported draft folder to continue from (fine-tune recipe: fresh "
+                    "self-generated data, its weights and vocabulary)")
     td.add_argument("--smoke", action="store_true", help="a few steps on a tiny slice with a tiny student (CI)")
     td.add_argument("--threads", type=int, default=None)
 

@@ -41,7 +41,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
     s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--dtype", default="float32")
+    s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto)")
 
     c = sub.add_parser("client", help="talk to a running `ssd serve`")
     csub = c.add_subparsers(dest="client_command", required=True)

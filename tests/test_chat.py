@@ -94,10 +94,10 @@ def test_cli_chat_and_messages_file(tmp_path, generator):
     f = tmp_path / "messages.json"
     f.write_text(json.dumps(MESSAGES[1]))
     out = json.loads(_ssd("generate", "--messages", str(f), "--mode", "sd", "--k", "4", "--max-new-tokens", "24",
-                          "--json", "--threads", "1").stdout)
+                          "--json", "--threads", "1", "--dtype", "float32").stdout)
     assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
     one = json.loads(_ssd("generate", "--chat", MESSAGES[0][0]["content"], "--mode", "ar", "--max-new-tokens",
-                          "24", "--json", "--threads", "1").stdout)
+                          "24", "--json", "--threads", "1", "--dtype", "float32").stdout)
     ref = generator.generate(ChatPrompt.of(MESSAGES[0]), SamplingParams(max_new_tokens=24), mode="ar")
     assert one["token_ids"] == ref.token_ids
     bad = _ssd("generate", "--chat", "x", "--prompt", "y")
@@ -112,7 +112,8 @@ def test_batch_lines_with_messages(tmp_path, generator):
             {"id": "p0", "prompt": "def add(a, b):", "max_new_tokens": 8, "ignore_eos": True}]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _ssd("batch", "--input", str(src), "--output", str(dst), "--mode", "sd", "--k", "4", "--threads", "1")
+    proc = _ssd("batch", "--input", str(src), "--output", str(dst), "--mode", "sd", "--k", "4", "--threads", "1",
+                "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     ref = generator.generate(ChatPrompt.of(MESSAGES[0]), SamplingParams(max_new_tokens=16), mode="ar")

@@ -32,7 +32,7 @@ def test_models_prints_default_pair(real_pair):
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_generate_json(mode):
     proc = ssd("generate", "--prompt", humaneval_prompts(1)[0], "--mode", mode, "--max-new-tokens", "24",
-               "--ignore-eos", "--json", "--threads", "1")
+               "--ignore-eos", "--json", "--threads", "1", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["mode"] == mode and out["num_generated"] == 24 == len(out["token_ids"])
@@ -92,7 +92,8 @@ def test_missing_prompt_and_file():
 def test_bench_quick_schema(tmp_path):
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
-    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots))
+    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots),
+               "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"hardware", "settings", "results"}
@@ -139,7 +140,8 @@ def test_batch_modes_agree_in_input_order(tmp_path):
                         "tree": ["--mode", "sd", "--k", "3", "--branching", "2"],
                         "ssd": ["--mode", "ssd", "--k", "2"]}.items():
         dst = tmp_path / f"{name}.jsonl"
-        proc = ssd("batch", "--input", str(src), "--output", str(dst), "--concurrency", "3", "--threads", "1", *flags)
+        proc = ssd("batch", "--input", str(src), "--output", str(dst), "--concurrency", "3", "--threads", "1",
+                   "--dtype", "float32", *flags)
         assert proc.returncode == 0, proc.stderr
         outs[name] = [json.loads(line) for line in dst.read_text().splitlines()]
     for name, res in outs.items():
@@ -162,7 +164,7 @@ def test_batch_bad_input(tmp_path, line, needle):
 
 
 def test_demo_runs_every_mode():
-    proc = ssd("demo", "--max-new-tokens", "24")
+    proc = ssd("demo", "--max-new-tokens", "24", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert "greedy outputs identical: True" in proc.stdout
     assert all(tag in proc.stdout for tag in ("AR :", "SD :", "SSD:"))

@@ -52,7 +52,8 @@ def test_strict_spread_on_one_node_times_out(ray_session, toy_pair) -> None:
 def served():
     """``ssd serve`` as a subprocess with its own embedded Ray, on a free port."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0",
+                             "--dtype", "float32"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     info = None
     deadline = time.monotonic() + 240

@@ -52,7 +52,7 @@ def test_gguf_file_as_target_equals_the_converted_folder(wheel_gguf, tmp_path, r
     env_cache = tmp_path / "cache"
     proc = subprocess.run([sys.executable, "-m", "ssd_cli", "generate", "--target", str(wheel_gguf),
                            "--prompt", "def fib(n):", "--mode", "ar", "--max-new-tokens", "12", "--ignore-eos",
-                           "--json", "--threads", "1"], capture_output=True, text=True,
+                           "--json", "--threads", "1", "--dtype", "float32"], capture_output=True, text=True,
                           env={**_env(), "SSD_CACHE_DIR": str(env_cache)}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["token_ids"] == real_reference("def fib(n):", 12)

@@ -85,7 +85,7 @@ def test_job_submit_runs_ssd_batch_on_the_cluster(ray_head, tmp_path, toy_pair, 
     out = tmp_path / "out.jsonl"
     cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address, "--working-dir",
            str(work), "--", "ssd", "-v", "batch", "--input", "prompts.jsonl", "--output", str(out), "--mode", "ssd",
-           "--k", "2", "--concurrency", "3", "--target", toy_pair["target"], "--draft", toy_pair["draft"]]
+           "--k", "2", "--concurrency", "3", "--dtype", "float32", "--target", toy_pair["target"], "--draft", toy_pair["draft"]]
     deadline = time.monotonic() + 120
     while True:  # right after `ray start`, the head's job agent may not be registered yet ("try again later")
         job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -35,7 +35,8 @@ def serve_app(ray_session, toy_pair):
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[
                     "protos.ssd.v1.ssd_pb2_grpc.add_GenerationServicer_to_server"]))
     handle = serve.run(build_app({"use_gpu": False, "num_replicas": 2, "pair_cpus": 0.3, "replica_cpus": 0.2,
-                                  "target": toy_pair["target"], "draft": toy_pair["draft"]}),
+                                  "target": toy_pair["target"], "draft": toy_pair["draft"],
+                                  "dtype": "float32"}),
                        name="ssd", route_prefix="/")
     yield handle, grpc_port, http_port
     serve.shutdown()

@@ -38,6 +38,8 @@ class LocalSSDConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs (down to 0); off: always ``ssd.k``.
     adaptive_k: bool = False
+    #: the drafter process's dtype; ``None``: the target's
+    draft_dtype: str | None = None
 
 
 class LocalSSD:
@@ -58,7 +60,8 @@ class LocalSSD:
         cfg = self.config
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, cfg.ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
-                                 backup=cfg.backup, wait_fraction=cfg.wait_fraction)
+                                 backup=cfg.backup, wait_fraction=cfg.wait_fraction,
+                                 dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."))
         )
         self.link.vocab_size = self.target.vocab_size
         if cfg.verifier_core is not None and hasattr(os, "sched_setaffinity"):

@@ -43,7 +43,7 @@ class VerifierServerConfig:
     budget: int = FanoutConfig().budget
     saguaro_c: float = 1.0
     fanout: str = "geometric"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
     device: str = "cpu"
     backup: str = "ngram"
     wait_fraction: float = 0.5

@@ -4,7 +4,9 @@ Two sources, written as resumable shards (``OUT/data/{source}-{index:05d}.npz``;
 - ``stdlib``: chunks of the stdlib source, teacher-forced through the target;
 - ``gen``: the target's own responses (greedy and sampled) to code and chat prompts
   (:mod:`spec_core.training.draft_prompts`), the text SD sees at inference. Labels come from the very forwards
-  that generated the text.
+  that generated the text. Besides the templated chat prompts, ``num_selfinstruct`` questions are sampled from
+  the target itself (its user turn, opened by a seeded starter word), which is far more varied than any template;
+  they are written once to ``OUT/data/questions.json``.
 
 Each shard holds ``tokens`` (int32, concatenated documents), ``doc_starts`` (int64 offsets), ``top_ids``
 (uint16 ``[N, k]``) and ``top_logp`` (float16 ``[N, k]``): row i is the teacher's distribution of token i + 1.
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     stdlib_tokens: int = 1_200_000
+    corpus_files: int | None = None  # the first N stdlib training files only (smoke runs); None = all
     chunk_len: int = 256
     chunks_per_shard: int = 64
     num_code_prompts: int = 640
@@ -35,6 +38,12 @@ class DataConfig:
     gen_batch: int = 32
     sampled_fraction: float = 0.5  # of chat prompts, sampled at gen_temperature (the rest greedy)
     gen_temperature: float = 0.7
+    #: chat prompts whose question the target itself writes (sampled at ``question_temperature``)
+    num_selfinstruct: int = 0
+    question_temperature: float = 1.0
+    question_max_new: int = 48
+    #: code continuations go on past an EOS for their whole budget, as the HumanEval measure does (ignore_eos)
+    code_ignore_eos: bool = False
     top_k: int = 16
     dtype: str = "bfloat16"  # teacher-forcing the stdlib (its wide forwards are fastest in bf16 here)
     gen_dtype: str = "float32"  # self-generation (narrow decode steps are faster in fp32 here)
@@ -63,6 +72,8 @@ def load_shards(data_dir: Path, prefix: str = "") -> list[dict]:
 
 def stdlib_chunks(tokenizer, corpus, cfg: DataConfig) -> list[np.ndarray]:
     """The training files (sorted, shuffled by seed), tokenized and cut into ``chunk_len`` pieces."""
+    if cfg.stdlib_tokens <= 0:
+        return []
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(corpus.train))
     chunks: list[np.ndarray] = []
@@ -100,7 +111,8 @@ def generate_labeled(runner, prompts: list[list[int]], max_new: int, temperature
                      k: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Continue every prompt (one batch) for up to ``max_new`` tokens; each document is prompt + response.
 
-    Returns the documents and their top-k labels. Rows stop at an EOS id (kept as the last token).
+    Returns the documents and their top-k labels. Rows stop at an EOS id (kept as the last token); with no
+    ``eos_ids`` they run for the whole budget.
     """
     gen = torch.Generator().manual_seed(seed)
     n = len(prompts)
@@ -165,33 +177,75 @@ def make_stdlib_data(runner, tokenizer, corpus, cfg: DataConfig, data_dir: Path,
     bar.close()
 
 
-def gen_jobs(tokenizer, corpus, cfg: DataConfig) -> list[tuple[list[list[int]], int, float]]:
-    """The generation batches: (prompt ids, max_new, temperature), deterministic for the config."""
-    from spec_core.training.draft_prompts import build_prompts
+def question_prefix(tokenizer, starter: str) -> list[int]:
+    """The chat template up to the user's content, then ``starter``: the target continues the user turn."""
+    mark = "\x00QUESTION\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    return tokenizer(text[: text.index(mark)] + starter)["input_ids"]
+
+
+def self_instruct_questions(runner, tokenizer, eos_ids, cfg: DataConfig, data_dir: Path, progress) -> list[str]:
+    """``cfg.num_selfinstruct`` user questions written by the target (seeded; cached in ``questions.json``)."""
+    import json
+    import random
+
+    from spec_core.training.draft_prompts import QUESTION_STARTERS
+
+    path = data_dir / "questions.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    rng = random.Random(cfg.seed)
+    starters = [rng.choice(QUESTION_STARTERS) for _ in range(cfg.num_selfinstruct)]
+    out: list[str] = []
+    bar = progress(total=len(starters), desc="teacher: questions", unit="q")
+    for s in range(0, len(starters), cfg.gen_batch):
+        batch = starters[s:s + cfg.gen_batch]
+        prompts = [question_prefix(tokenizer, st) for st in batch]
+        docs, _, _ = generate_labeled(runner, prompts, cfg.question_max_new, cfg.question_temperature, eos_ids,
+                                      1, cfg.seed + 100_000 + s)
+        for st, p, d in zip(batch, prompts, docs):
+            text = (st + tokenizer.decode(d[len(p):], skip_special_tokens=True)).strip()
+            out.append(text)
+        bar.update(len(batch))
+    bar.close()
+    path.write_text(json.dumps(out, indent=0) + "\n")
+    return out
+
+
+def gen_jobs(tokenizer, corpus, cfg: DataConfig, questions: list[str] = ()) -> list[tuple[list[list[int]], int, float, bool]]:
+    """The generation batches: (prompt ids, max_new, temperature, stop at EOS), deterministic for the config."""
+    from spec_core.training.draft_prompts import build_prompts, usable_question
 
     code, chats = build_prompts(corpus, cfg.num_code_prompts, cfg.num_chat_prompts, cfg.seed)
+    chats += [[{"role": "user", "content": q}] for q in questions if usable_question(q)]
     code_ids = [tokenizer(c)["input_ids"][-384:] for c in code]
     chat_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
                 ["input_ids"][-384:] for m in chats]
+    if questions:  # mix the target's own questions into both the greedy and the sampled share
+        chat_ids = [chat_ids[i] for i in np.random.default_rng(cfg.seed).permutation(len(chat_ids))]
     n_sampled = int(len(chat_ids) * cfg.sampled_fraction)
     jobs = []
-    for ids, max_new, temp in ((code_ids, cfg.code_max_new, 0.0), (chat_ids[n_sampled:], cfg.chat_max_new, 0.0),
-                               (chat_ids[:n_sampled], cfg.chat_max_new, cfg.gen_temperature)):
+    for ids, max_new, temp, stop in ((code_ids, cfg.code_max_new, 0.0, not cfg.code_ignore_eos),
+                                     (chat_ids[n_sampled:], cfg.chat_max_new, 0.0, True),
+                                     (chat_ids[:n_sampled], cfg.chat_max_new, cfg.gen_temperature, True)):
         ids = sorted(ids, key=len)
         for s in range(0, len(ids), cfg.gen_batch):
-            jobs.append((ids[s:s + cfg.gen_batch], max_new, temp))
+            jobs.append((ids[s:s + cfg.gen_batch], max_new, temp, stop))
     # interleave kinds so a partial run already has all three
     order = sorted(range(len(jobs)), key=lambda j: (j % 7, j))
     return [jobs[j] for j in order]
 
 
 def make_gen_data(runner, tokenizer, corpus, eos_ids, cfg: DataConfig, data_dir: Path, progress) -> None:
-    jobs = gen_jobs(tokenizer, corpus, cfg)
+    questions = self_instruct_questions(runner, tokenizer, eos_ids, cfg, data_dir, progress) \
+        if cfg.num_selfinstruct else []
+    jobs = gen_jobs(tokenizer, corpus, cfg, questions)
     bar = progress(total=len(jobs), desc="teacher: self-generated", unit="batch")
-    for j, (prompts, max_new, temp) in enumerate(jobs):
+    for j, (prompts, max_new, temp, stop) in enumerate(jobs):
         path = data_dir / f"gen-{j:05d}.npz"
         if not path.exists():
-            docs, ids, logp = generate_labeled(runner, prompts, max_new, temp, eos_ids, cfg.top_k, cfg.seed + j)
+            docs, ids, logp = generate_labeled(runner, prompts, max_new, temp, eos_ids if stop else (), cfg.top_k,
+                                               cfg.seed + j)
             save_shard(path, docs, ids, logp)
         bar.update(1)
     bar.close()

@@ -47,6 +47,12 @@ SNIPPET_TEMPLATES = (
     "Review this Python code and suggest one improvement:\n```python\n{code}\n```",
     "Add comments to this code:\n```python\n{code}\n```",
 )
+#: how a self-instruct question opens (the target writes the rest of the user turn)
+QUESTION_STARTERS = (
+    "How", "What", "Why", "Write", "Explain", "Can you", "Give me", "I", "Describe", "List", "Create", "Help me",
+    "Tell me", "Which", "Is it", "Should I", "Compare", "Summarize", "Suggest", "Plan", "My", "In Python,",
+    "Translate", "Rewrite", "When", "Who", "Where", "Do you", "Please", "Imagine",
+)
 TOPIC_TEMPLATES = (
     "Summarize this part of the Python reference:\n\n{text}",
     "Explain the following in simple words:\n\n{text}",
@@ -126,3 +132,8 @@ def build_prompts(corpus: Corpus, num_code: int, num_chat: int, seed: int) -> tu
         else:
             chat.append(rng.choice(TOPIC_TEMPLATES).format(text=rng.choice(paragraphs)))
     return code, [[{"role": "user", "content": c}] for c in chat]
+
+
+def usable_question(text: str) -> bool:
+    """A self-written question worth answering: a sentence or more, not cut off mid-way by its budget."""
+    return 12 <= len(text) <= 400 and text[-1] in ".?!:)\"'`"

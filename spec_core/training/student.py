@@ -29,7 +29,14 @@ SPECIAL_IDS = (0, 1, 2)
 
 
 def build_token_map(out: Path, cfg) -> np.ndarray:
-    """The ``cfg.draft_vocab`` ids most often the teacher's next-token top-1 (with the special ids)."""
+    """The ``cfg.draft_vocab`` ids most often the teacher's next-token top-1 (with the special ids).
+
+    A run started from an exported draft (``cfg.init_from``) keeps that draft's map: its head rows are that map.
+    """
+    if cfg.init_from:
+        keep = np.asarray(json.loads((Path(cfg.init_from) / TOKEN_MAP_FILE).read_text()), dtype=np.int64)
+        np.save(out / "token_map.npy", keep)
+        return keep
     counts = np.zeros(65536, dtype=np.int64)
     for shard in load_shards(out / "data"):
         counts += np.bincount(shard["top_ids"][:, 0].astype(np.int64), minlength=65536)
@@ -139,12 +146,6 @@ def distill_loss(model, x, ids, logp, token_map) -> tuple[torch.Tensor, torch.Te
     return loss, agree
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); else autocast would only slow training."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    return cpu in ("AVX512", "AMX") and torch.cpu._is_avx512_bf16_supported()
-
-
 def lr_at(step: int, tc) -> float:
     if step < tc.warmup:
         return tc.lr * (step + 1) / tc.warmup
@@ -165,7 +166,11 @@ def new_student(out: Path, target_path: str, cfg):
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(student_config(target_path, cfg))
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(pca_embedding(target_path, cfg.shape.hidden_size))
+        if cfg.init_from:  # the exported draft's weights (bf16 on disk), as fp32 master weights
+            init = LlamaForCausalLM.from_pretrained(cfg.init_from, torch_dtype=torch.float32)
+            model.load_state_dict(init.state_dict())
+        else:
+            model.model.embed_tokens.weight.copy_(pca_embedding(target_path, cfg.shape.hidden_size))
     return model
 
 
@@ -188,7 +193,9 @@ def train_student(out: Path, target_path: str, cfg, progress) -> None:
         torch.set_rng_state(state["torch_rng"])
         logger.info("student: resumed at step %d", step)
     model.train()
-    autocast = tc.bf16_autocast and native_bf16()
+    from spec_core.config import native_bf16
+
+    autocast = tc.bf16_autocast and native_bf16()  # else autocast would only slow training
     bar = progress(total=tc.steps, initial=step, desc="train-draft", unit="step")
     t0, ema = time.time(), None
     while step < tc.steps:
@@ -233,14 +240,15 @@ def heldout_agreement(model, docs, token_map: torch.Tensor, seq_len: int) -> dic
     return {"top1_agreement": hits / max(1, n), "soft_ce": nll / max(1, n), "tokens": n}
 
 
-def heldout_stdlib_docs(target_path: str, token_map: torch.Tensor, cfg, max_tokens: int = 12_000) -> list:
+def heldout_stdlib_docs(target_path: str, token_map: torch.Tensor, cfg) -> list:
     """The held-out stdlib files (never trained on), teacher-labelled in fp32, as (tokens, map ids, log-probs)."""
     from spec_core.models import load_tokenizer
     from spec_core.runner import ModelRunner
     from spec_core.training.corpus import load_corpus
     from spec_core.training.draft_data import label_chunks
 
-    if cfg.data.stdlib_tokens < 10_000:  # smoke runs: no held-out pass
+    max_tokens = cfg.train.heldout_stdlib_tokens
+    if not max_tokens:
         return []
     tok = load_tokenizer(target_path)
     chunks, total = [], 0

@@ -52,6 +52,7 @@ class TrainConfig:
     #: bf16 autocast for the student's matmuls where the CPU has native bf16 (1.5x faster here); fp32 master weights
     bf16_autocast: bool = True
     heldout_fraction: float = 0.02  # of the gen documents, never trained on
+    heldout_stdlib_tokens: int = 12_000  # of the held-out stdlib files, labelled at export (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +62,35 @@ class DraftTrainConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     draft_vocab: int = 12288
     seed: int = 0
+    #: an exported draft folder to start from (its weights and token map); ``None`` trains from scratch
+    init_from: str | None = None
+
+    @staticmethod
+    def finetune(init_from: str) -> DraftTrainConfig:
+        """Continue an exported draft on fresh self-generated data only (no stdlib pass), at a lower rate.
+
+        The data is the target's greedy (and some sampled) answers to templated and self-written questions,
+        and its code continuations run past EOS as the HumanEval measure does. Shape and vocabulary come
+        from ``init_from``.
+        """
+        c = json.loads((Path(init_from) / "config.json").read_text())
+        shape = StudentShape(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+                             num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+                             intermediate_size=c["intermediate_size"])
+        vocab = len(json.loads((Path(init_from) / "token_map.json").read_text()))
+        data = replace(DataConfig(), stdlib_tokens=0, num_code_prompts=1100, num_chat_prompts=1000,
+                       num_selfinstruct=1400, sampled_fraction=0.25, code_ignore_eos=True, gen_batch=48, seed=1)
+        train = replace(TrainConfig(), steps=500, lr=6e-4, min_lr=3e-5, warmup=20, ckpt_every=25)
+        return DraftTrainConfig(data=data, shape=shape, train=train, draft_vocab=vocab, seed=1,
+                                init_from=str(Path(init_from).resolve()))
 
     @staticmethod
     def smoke() -> DraftTrainConfig:
         return DraftTrainConfig(
-            data=replace(DataConfig(), stdlib_tokens=2048, chunk_len=128, chunks_per_shard=8, num_code_prompts=4,
+            data=replace(DataConfig(), stdlib_tokens=2048, corpus_files=40, chunk_len=128, chunks_per_shard=8, num_code_prompts=4,
                          num_chat_prompts=4, code_max_new=8, chat_max_new=8, gen_batch=4),
             shape=StudentShape(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128),
-            train=replace(TrainConfig(), steps=3, batch_tokens=256, seq_len=64, ckpt_every=2, warmup=1,
+            train=replace(TrainConfig(), steps=3, batch_tokens=256, seq_len=64, ckpt_every=2, warmup=1, heldout_stdlib_tokens=0,
                           bf16_autocast=False),
             draft_vocab=2048,
         )
@@ -90,7 +112,7 @@ def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, pr
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     runner, tokenizer = _teacher(target_path, cfg.data.dtype if source == "stdlib" else cfg.data.gen_dtype)
-    corpus = load_corpus(max_files=40 if cfg.data.stdlib_tokens < 10_000 else None)
+    corpus = load_corpus(max_files=cfg.data.corpus_files)
     if source == "stdlib":
         make_stdlib_data(runner, tokenizer, corpus, cfg.data, data_dir, progress)
     else:

@@ -1,0 +1,83 @@
+"""``--dtype auto`` (the default of every command), ``ssd bench-costs`` honouring its flags, and the bench's
+equal-hardware and peer modes (``ar-2t``, ``llama-cpp``, ``llama-cpp-2t``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from spec_core.config import ModelConfig, native_bf16, resolve_dtype
+
+
+def ssd(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssd_cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_auto_resolves_by_device():
+    expected = "bfloat16" if native_bf16("cpu") else "float32"
+    assert resolve_dtype("auto", "cpu") == expected
+    assert ModelConfig("x", dtype="auto").resolved_dtype == expected
+    assert resolve_dtype("fp32") == "float32" and resolve_dtype("bf16") == "bfloat16"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int3")
+
+
+def test_generate_defaults_to_auto(real_pair):
+    proc = ssd("generate", "--prompt", "def add(a, b):", "--mode", "ar", "--max-new-tokens", "4", "--ignore-eos",
+               "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["dtype"] == resolve_dtype("auto")
+    bad = ssd("generate", "--prompt", "x", "--dtype", "int3")
+    assert bad.returncode == 2 and "unknown dtype" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, report):
+    """On the toy pair: bf16 without native support (AVX2-only CPUs) is emulated and very slow on the real one."""
+    proc = ssd("bench-costs", "--dtype", "float32,bfloat16", "--repeats", "3", "--k-max", "2", "--threads", "1",
+               "--context", "32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rows = {r["dtype"]: r for r in out["rows"]}
+    assert list(rows) == ["float32", "bfloat16"]
+    f32, b16 = rows["float32"], rows["bfloat16"]
+    for r in (f32, b16):
+        assert r["threads"] == 1 and r["device"] == "cpu"
+        assert 0 < r["floor_t1_s"] < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
+        assert set(r["V"]) == {"1", "2"}
+    # the weights really are loaded in each dtype: half the bytes per token in bf16
+    assert f32["weight_bytes_per_token"] == 2 * b16["weight_bytes_per_token"]
+    assert f32["target_t1_s"] != b16["target_t1_s"]
+    for r in (f32, b16):
+        report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms, matmuls alone "
+               f"{r['target_matmul_t1_s'] * 1e3:.1f} ms, floor {r['floor_t1_s'] * 1e3:.1f} ms, "
+               f"V(2) {r['V']['2']:.2f} (3 repeats, context 32, not asserted)")
+    bad = ssd("bench-costs", "--dtype", "float32,int3")
+    assert bad.returncode == 2 and "unknown dtype" in bad.stderr
+
+
+def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = ssd("bench", "--quick", "--num-prompts", "1", "--modes", "ar,ar-2t,llama-cpp,llama-cpp-2t", "--dtype",
+               "float32", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["dtype"] == "float32"
+    required = {"mode", "concurrency", "temperature", "tokens_per_s", "ttft_s_p50", "itl_s_p50", "itl_s_p99",
+                "mean_tokens_per_round", "acceptance_rate", "cache_hit_rate", "matches_target_greedy",
+                "target_threads"}
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {"ar", "ar-2t", "llama-cpp", "llama-cpp-2t"}
+    for row in rows.values():
+        assert required <= set(row), required - set(row)
+    assert rows["ar-2t"]["tokens_per_s"] > 0 and rows["ar-2t"]["target_threads"] == 2
+    assert rows["ar-2t"]["matches_target_greedy"] is True
+    if importlib.util.find_spec("llama_cpp") is None:  # the optional extra: never installed in CI
+        for m in ("llama-cpp", "llama-cpp-2t"):
+            assert "llama-cpp-python is not installed" in rows[m]["skipped"] and rows[m]["tokens_per_s"] is None
+        assert "skipping llama-cpp, llama-cpp-2t" in proc.stderr
+    else:
+        assert rows["llama-cpp"]["tokens_per_s"] > 0 and rows["llama-cpp-2t"]["target_threads"] == 2
