@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,27 @@ def test_training_prompts_share_nothing_with_the_eval_prompts():
     assert he_lines and not [ln for ln in he_lines if ln in train_text]
     questions = [p.messages[-1][1] for p in chat_prompts()]
     assert not [q for q in questions if q in train_text]
+
+
+def test_init_continues_an_exported_draft(tmp_path, real_pair):
+    """``--init``: the fine-tune recipe starts from the draft's weights and keeps its vocabulary; its data is the
+    target's own questions and answers (no stdlib pass)."""
+    from safetensors.torch import load_file
+
+    init = Path(real_pair["draft"])
+    out = tmp_path / "ft"
+    proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--init", str(init), "--out",
+                           str(out), "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "draft" / "token_map.json").read_text()) == json.loads(
+        (init / "token_map.json").read_text())
+    questions = json.loads((out / "data" / "questions.json").read_text())
+    assert len(questions) == 4 and all(isinstance(q, str) and q for q in questions)
+    shards = sorted(p.name for p in (out / "data").glob("*.npz"))
+    assert shards and all(n.startswith("gen-") for n in shards)
+    a = load_file(str(init / "model.safetensors"))["model.embed_tokens.weight"].float()
+    b = load_file(str(out / "draft" / "model.safetensors"))["model.embed_tokens.weight"].float()
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99  # started from it
+    bad = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--init", real_pair["target"],
+                          "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not an exported draft" in bad.stderr
