@@ -22,7 +22,7 @@ PROMPTS = [f"def task_{i}(x):\n    " for i in range(8)]
 def test_placement_one_gpu_each_in_one_group(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
-    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=True))
+    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=True, dtype="float32"))
     try:
         info = dep.info()
         d, v = info["drafter"], info["verifier"]

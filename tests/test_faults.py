@@ -34,7 +34,8 @@ def _stats(client: SSDClient) -> dict:
 def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
-    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=False, adaptive_k=False))
+    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=False, adaptive_k=False,
+                            dtype="float32"))
     try:
         old_pid = ray.get(dep.drafter.pid.remote())
         with SSDClient(dep.address) as client:
@@ -79,7 +80,7 @@ def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, g
 
     port = _free_port()  # a fixed public port: the restarted verifier binds it again
     dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=port, use_gpu=False,
-                            adaptive_k=False))
+                            adaptive_k=False, dtype="float32"))
     try:
         old_pid = ray.get(dep.verifier.pid.remote())
         ref = greedy_reference(PROMPTS[0], 300)
