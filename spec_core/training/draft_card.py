@@ -11,6 +11,35 @@ def _fmt(x, nd: int = 3) -> str:
     return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
+def _data_lines(report: dict, cfg) -> list[str]:
+    d, t = cfg.data, cfg.train
+    lines = ["## Data (all offline; no benchmark prompt is ever read)"]
+    if d.stdlib_tokens:
+        lines += [f"- Chunks of {d.chunk_len} tokens of the Python standard library's source ({d.stdlib_tokens:,} "
+                  "tokens; test", "  folders and ten held-out files excluded), teacher-forced through the target in bf16."]
+    past_eos = "past EOS for all" if d.code_ignore_eos else "up to EOS,"
+    docs = report.get("gen_documents")
+    lines += [
+        f"- The target's own responses ({d.gen_dtype}) to {d.num_code_prompts} code prompts (stdlib function heads,",
+        f"  continued greedily, {past_eos} {d.code_max_new} tokens) and {d.num_chat_prompts} chat prompts built from "
+        "stdlib",
+        "  docstrings, the language reference topics and a fixed topic list"
+        + (f", plus {d.num_selfinstruct} questions the target wrote itself (its user turn sampled at T = "
+           f"{d.question_temperature} after a seeded starter word, kept when complete)" if d.num_selfinstruct else "")
+        + f" ({int(100 * (1 - d.sampled_fraction))}% greedy, the rest sampled at",
+        f"  T = {d.gen_temperature}; up to {d.chat_max_new} tokens). Labels are the target's top-{d.top_k}",
+        "  next-token distribution at every position."
+        + (f" {docs:,} documents were generated ({report.get('gen_shards')} batches; a run may stop early and "
+           "train on the batches it has)." if docs else ""),
+        f"- Held out: {int(t.heldout_fraction * 100)}% of the generated documents, and the stdlib's held-out files.",
+    ]
+    if cfg.init_from:
+        lines += ["", "## Lineage",
+                  f"Fine-tuned from the draft in `{Path(cfg.init_from).name}` (its weights and vocabulary), whose own "
+                  "card is kept here as `LINEAGE.md`: the steps, data and numbers above are this stage's only."]
+    return lines
+
+
 def card_text(report: dict, cfg) -> str:
     s, d, t = cfg.shape, cfg.data, cfg.train
     log = report.get("train_log", [])
@@ -32,7 +61,7 @@ def card_text(report: dict, cfg) -> str:
         f"| draft vocabulary | {report.get('draft_vocab')} ids, the teacher's most frequent next tokens |",
         f"| training tokens | {report.get('train_tokens', 0):,} (teacher-labelled, top-{d.top_k}) |",
         f"| steps | {report.get('steps')} x {t.batch_tokens} tokens, seq {t.seq_len}, AdamW lr {t.lr} cosine "
-        f"to {t.min_lr}, warmup {t.warmup}, bf16 autocast {t.bf16_autocast} |",
+        f"to {t.min_lr}, warmup {t.warmup}, bf16 autocast {report.get('bf16_autocast', t.bf16_autocast)} |",
         f"| loss (soft CE, nats/token, EMA) | {_fmt(first.get('loss'))} at step {first.get('step')} -> "
         f"{_fmt(last.get('loss'))} at step {last.get('step')} |",
         f"| train top-1 agreement (EMA) | {_fmt(last.get('train_agree'))} |",
@@ -52,17 +81,8 @@ def card_text(report: dict, cfg) -> str:
             f"| cost c = T_draft(1) / T_target(1) | {_fmt(cost.get('c'))} (fp32, one pinned thread, context 256: "
             f"{_fmt((cost.get('draft_t1_s') or 0) * 1e3, 2)} ms vs {_fmt((cost.get('target_t1_s') or 0) * 1e3, 2)} ms) |",
         ]
+    lines += ["", *_data_lines(report, cfg)]
     lines += [
-        "",
-        "## Data (all offline; no benchmark prompt is ever read)",
-        f"- Chunks of {d.chunk_len} tokens of the Python standard library's source ({d.stdlib_tokens:,} tokens; test",
-        "  folders and ten held-out files excluded), teacher-forced through the target in bf16.",
-        f"- The target's own responses (fp32) to {d.num_code_prompts} code prompts (stdlib function heads,",
-        f"  continued greedily, {d.code_max_new} tokens) and {d.num_chat_prompts} chat prompts built from stdlib",
-        "  docstrings, the language reference topics and a fixed topic list (half greedy, half sampled at",
-        f"  T = {d.gen_temperature}; up to {d.chat_max_new} tokens). Labels are the target's top-{d.top_k}",
-        "  next-token distribution at every position.",
-        f"- Held out: {int(t.heldout_fraction * 100)}% of the generated documents, and the stdlib's held-out files.",
         "",
         "## Limits",
         "The held-out generated documents come from the same prompt templates as the training ones, so their",
@@ -70,8 +90,10 @@ def card_text(report: dict, cfg) -> str:
         "",
         "## Reproduce",
         "```bash",
-        "ssd train-draft --out runs/smollm2-draft --threads 1   # rerun the same command to resume",
-        "ssd train-draft --out runs/smollm2-draft --stage eval  # SD tokens per round and cost into report.json",
+        *([f"ssd train-draft --out runs/NAME --init {cfg.init_from and Path(cfg.init_from).name} --threads 2  "
+           "# resumable; --stage train --steps N trains on the data so far"]
+          if cfg.init_from else ["ssd train-draft --out runs/smollm2-draft --threads 1   # rerun the same command to resume"]),
+        "ssd train-draft --out runs/NAME [--init ...] --stage eval  # SD tokens per round and cost into report.json",
         "```",
         "",
         "Configuration: " + ", ".join(f"{k}={v}" for k, v in asdict(cfg.shape).items()) + ".",
@@ -81,4 +103,12 @@ def card_text(report: dict, cfg) -> str:
 
 
 def write_card(dest: Path, report: dict, cfg) -> None:
+    """``README.md`` from the report; a fine-tuned draft also keeps its parent's card as ``LINEAGE.md``."""
+    if cfg.init_from:
+        parent = Path(cfg.init_from)
+        if (parent / "README.md").is_file() and parent.resolve() != dest.resolve():
+            text = (parent / "README.md").read_text()
+            if (parent / "LINEAGE.md").is_file():
+                text += "\n\n---\n\n" + (parent / "LINEAGE.md").read_text()
+            (dest / "LINEAGE.md").write_text(text)
     (dest / "README.md").write_text(card_text(report, cfg))

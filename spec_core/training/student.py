@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spec_core.config import native_bf16
 from spec_core.runner import TOKEN_MAP_FILE
 from spec_core.training.draft_data import load_shards
 
@@ -193,8 +194,6 @@ def train_student(out: Path, target_path: str, cfg, progress) -> None:
         torch.set_rng_state(state["torch_rng"])
         logger.info("student: resumed at step %d", step)
     model.train()
-    from spec_core.config import native_bf16
-
     autocast = tc.bf16_autocast and native_bf16()  # else autocast would only slow training
     bar = progress(total=tc.steps, initial=step, desc="train-draft", unit="step")
     t0, ema = time.time(), None
@@ -285,6 +284,9 @@ def export_draft(out: Path, target_path: str, cfg) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "draft_vocab": len(token_map),
         "train_tokens": data.num_tokens,
+        "gen_documents": sum(len(sh["doc_starts"]) for sh in load_shards(out / "data", "gen")),
+        "gen_shards": len(load_shards(out / "data", "gen")),
+        "bf16_autocast": bool(cfg.train.bf16_autocast and native_bf16()),
         "heldout_gen": heldout_agreement(model, data.heldout, token_map, 512),
         "heldout_stdlib": heldout_agreement(model, heldout_stdlib_docs(target_path, token_map, cfg), token_map, 512),
     }
