@@ -16,7 +16,8 @@ def _data_lines(report: dict, cfg) -> list[str]:
     lines = ["## Data (all offline; no benchmark prompt is ever read)"]
     if d.stdlib_tokens:
         lines += [f"- Chunks of {d.chunk_len} tokens of the Python standard library's source ({d.stdlib_tokens:,} "
-                  "tokens; test", "  folders and ten held-out files excluded), teacher-forced through the target in bf16."]
+                  "tokens; test", "  folders and ten held-out files excluded), teacher-forced through the target "
+                  f"({d.dtype})."]
     past_eos = "past EOS for all" if d.code_ignore_eos else "up to EOS,"
     docs = report.get("gen_documents")
     lines += [

@@ -45,7 +45,9 @@ class DataConfig:
     #: code continuations go on past an EOS for their whole budget, as the HumanEval measure does (ignore_eos)
     code_ignore_eos: bool = False
     top_k: int = 16
-    dtype: str = "bfloat16"  # teacher-forcing the stdlib (its wide forwards are fastest in bf16 here)
+    #: teacher-forcing the stdlib: its wide forwards are fastest in bf16 where bf16 is native (auto), while
+    #: emulated bf16 (AVX2-only CPUs) is several times slower than fp32
+    dtype: str = "auto"
     gen_dtype: str = "float32"  # self-generation (narrow decode steps are faster in fp32 here)
     seed: int = 0
 
