@@ -150,7 +150,7 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
         "itl_s_p99": _percentile(runs.itls, 99),
         "mean_tokens_per_round": s.mean_tokens_per_round if not _is_ar(mode) else 1.0,
         "batching": "batch 1" if mode.startswith(("hf", "llama")) else None,
-        "target_threads": 2 if mode in TWO_THREAD_MODES or mode == "llama-cpp-2t" else None,
+        "target_threads": 2 if mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 else None,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_by_position": s.acceptance_by_position() if not _is_ar(mode) else None,
         "cache_hit_rate": _mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
@@ -172,13 +172,10 @@ def _is_ar(mode: str) -> bool:
 
 
 def skipped_row(mode: str, temp: float, reason: str) -> dict:
-    """A mode that could not run here: every field of a result row, empty, and why."""
-    keys = ("tokens_per_s", "tokens_per_s_median_run", "tokens_per_s_min_run", "tokens_per_s_max_run", "ttft_s_p50",
-            "itl_s_p50", "itl_s_p99", "mean_tokens_per_round", "batching", "target_threads", "acceptance_rate",
-            "acceptance_by_position", "cache_hit_rate", "verifier_idle_fraction", "link_bytes_per_round",
-            "verify_s_per_round", "draft_s_per_round", "matches_target_greedy")
-    return {"mode": mode, "concurrency": 1, "temperature": temp, **dict.fromkeys(keys), "num_runs": 0,
-            "num_generated": 0, "skipped": reason}
+    """A mode that could not run here: every field of a result row (those of :func:`_summarise`), empty, and why."""
+    row = dict.fromkeys(_summarise(mode, temp, ModeRuns.empty(), None))
+    return {**row, "mode": mode, "concurrency": 1, "temperature": temp, "num_runs": 0, "num_generated": 0,
+            "skipped": reason}
 
 
 def _mean(values: list[float]) -> float | None:

@@ -17,8 +17,6 @@ MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "auto": "auto"}
-#: what every command and service uses unless told: bf16 where the device multiplies it natively, else fp32
-DEFAULT_DTYPE = "auto"
 
 
 def check_dtype(name: str) -> str:

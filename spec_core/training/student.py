@@ -85,6 +85,8 @@ class Batches:
         inv = np.full(65536, -1, dtype=np.int64)
         inv[token_map] = np.arange(len(token_map))
         self.docs, self.heldout = [], []
+        gen = [shard for shard in shards if shard.get("kind") == "gen"]
+        self.gen_shards, self.gen_documents = len(gen), sum(len(shard["doc_starts"]) for shard in gen)
         for shard in shards:
             toks, starts = shard["tokens"], list(shard["doc_starts"]) + [len(shard["tokens"])]
             mapped = inv[shard["top_ids"].astype(np.int64)]
@@ -284,8 +286,8 @@ def export_draft(out: Path, target_path: str, cfg) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "draft_vocab": len(token_map),
         "train_tokens": data.num_tokens,
-        "gen_documents": sum(len(sh["doc_starts"]) for sh in load_shards(out / "data", "gen")),
-        "gen_shards": len(load_shards(out / "data", "gen")),
+        "gen_documents": data.gen_documents,
+        "gen_shards": data.gen_shards,
         "bf16_autocast": bool(cfg.train.bf16_autocast and native_bf16()),
         "heldout_gen": heldout_agreement(model, data.heldout, token_map, 512),
         "heldout_stdlib": heldout_agreement(model, heldout_stdlib_docs(target_path, token_map, cfg), token_map, 512),

@@ -111,6 +111,8 @@ def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, pr
 
     data_dir = out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
+    if source == "stdlib" and cfg.data.stdlib_tokens <= 0:  # the fine-tune recipe: no teacher to load
+        return
     runner, tokenizer = _teacher(target_path, cfg.data.dtype if source == "stdlib" else cfg.data.gen_dtype)
     corpus = load_corpus(max_files=cfg.data.corpus_files)
     if source == "stdlib":
