@@ -42,9 +42,10 @@ def test_generate_json(mode):
         assert 0 <= out["acceptance_rate"] <= 1
 
 
-def test_generate_greedy_modes_agree():
+def test_generate_greedy_modes_agree(toy_pair):
+    pair = ["--target", toy_pair["target"], "--draft", toy_pair["draft"]]
     outs = [json.loads(ssd("generate", "--prompt", "def add(a, b):", "--mode", m, "--max-new-tokens", "32",
-                           "--json", "--threads", "1").stdout)["token_ids"] for m in ("ar", "sd")]
+                           "--json", "--threads", "1", *pair).stdout)["token_ids"] for m in ("ar", "sd")]
     assert outs[0] == outs[1]
 
 
@@ -89,11 +90,12 @@ def test_missing_prompt_and_file():
     assert_one_line_error(ssd("generate", "--prompt-file", "/no/such/file"), "not found")
 
 
-def test_bench_quick_schema(tmp_path):
+def test_bench_quick_schema(tmp_path, toy_pair):
+    """The report's schema and plots (on the toy pair, for time; the real pair's bench: test_dtype_and_costs)."""
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
     proc = ssd("bench", "--quick", "--modes", "ar,sd", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots),
-               "--dtype", "float32")
+               "--dtype", "float32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"hardware", "settings", "results"}
@@ -128,9 +130,10 @@ def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_batch_modes_agree_in_input_order(tmp_path):
+def test_batch_modes_agree_in_input_order(tmp_path, toy_pair):
     """`ssd batch` through the real CLI: AR, SD (chain and tree) and local two-process SSD give identical greedy
-    outputs, in input order, with the documented fields."""
+    outputs, in input order, with the documented fields (toy pair, for time; the real pair's batch path:
+    test_real_pair)."""
     rows = [{"id": f"p{i}", "prompt": p, "max_new_tokens": 16 + 4 * i, "ignore_eos": True}
             for i, p in enumerate(humaneval_prompts(5))]
     src = tmp_path / "in.jsonl"
@@ -141,7 +144,7 @@ def test_batch_modes_agree_in_input_order(tmp_path):
                         "ssd": ["--mode", "ssd", "--k", "2"]}.items():
         dst = tmp_path / f"{name}.jsonl"
         proc = ssd("batch", "--input", str(src), "--output", str(dst), "--concurrency", "3", "--threads", "1",
-                   "--dtype", "float32", *flags)
+                   "--dtype", "float32", "--target", toy_pair["target"], "--draft", toy_pair["draft"], *flags)
         assert proc.returncode == 0, proc.stderr
         outs[name] = [json.loads(line) for line in dst.read_text().splitlines()]
     for name, res in outs.items():
@@ -156,15 +159,24 @@ def test_batch_modes_agree_in_input_order(tmp_path):
     ('{"prompt": ""}', "prompt"),
     ('{"prompt": "x", "temperature": -1}', "temperature"),
     ('{"prompt_token_ids": [1, 99999999]}', "vocabulary"),
+    ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "def f(x):"}', "duplicate id 'a' (first used on line 1)"),
 ])
 def test_batch_bad_input(tmp_path, line, needle):
     src = tmp_path / "in.jsonl"
     src.write_text(line + "\n")
     assert_one_line_error(ssd("batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl")), needle)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_generated_batch_ids_never_equal_a_users():
+    from verifier_service.batch_requests import assign_ids
+
+    assert assign_ids([None, "x", None], [1, 2, 3]) == ["0", "x", "2"]
+    assert assign_ids([None, "0", None, "line-1"], [1, 2, 4, 5]) == ["line-1-2", "0", "2", "line-1"]
 
 
 def test_demo_runs_every_mode():
-    proc = ssd("demo", "--max-new-tokens", "24", "--dtype", "float32")
+    proc = ssd("demo", "--max-new-tokens", "16", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert "greedy outputs identical: True" in proc.stdout
     assert all(tag in proc.stdout for tag in ("AR :", "SD :", "SSD:"))

@@ -60,12 +60,13 @@ def test_tiny_random_configs(tiny_models, family):
         check_all_equal(model, prompt, ref, {"AR": ar, "SD": sd, "SD(self-draft)": sd_self})
 
 
-def test_toy_pair_humaneval(toy_pair):
-    """20 HumanEval prompts × 64 tokens with the shipped pair."""
+@pytest.mark.parametrize("n", [10, pytest.param(20, marks=pytest.mark.slow)])
+def test_toy_pair_humaneval(toy_pair, n):
+    """The first ``n`` HumanEval prompts × 64 tokens with the toy pair."""
     tok = load_tokenizer(toy_pair["target"])
     model = AutoModelForCausalLM.from_pretrained(toy_pair["target"], dtype=torch.float32).eval()
     target, draft = ModelRunner(toy_pair["target"]), ModelRunner(toy_pair["draft"])
-    for prompt in humaneval_prompts(20):
+    for prompt in humaneval_prompts(n):
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         ref = hf_greedy(model, ids, 64)
         ar, sd = _run(target, draft, ids, 64, k=5)

@@ -74,7 +74,7 @@ def test_greedy_labels_continue_the_documents(smoke_run, real_pair):
     shards = load_shards(out / "data", "gen")
     assert len(shards) == len(jobs)
     greedy_seen = 0
-    for shard, (prompts, _, temperature) in zip(shards, jobs):
+    for shard, (prompts, _, temperature, _stop) in zip(shards, jobs):
         assert shard["top_ids"].shape[1] == cfg.top_k
         starts = list(shard["doc_starts"]) + [len(shard["tokens"])]
         for (a, b), prompt in zip(zip(starts[:-1], starts[1:]), prompts):
