@@ -43,16 +43,15 @@ def run_batch_on_ray(address: str | None, rows: list, output_path: Path, setting
                     info["drafter"]["node_ip"], info["verifier"]["pid"], info["verifier"]["node_ip"])
         t0 = time.perf_counter()
         with SSDClient(dep.address) as client, ThreadPoolExecutor(settings.concurrency) as pool:
-            futures = [pool.submit(client.complete, prompt, params, rid or str(i))
-                       for i, (rid, prompt, params) in enumerate(rows)]
+            futures = [pool.submit(client.complete, prompt, params, rid) for rid, prompt, params in rows]
             results = [f.result() for f in futures]
             stats = json.loads(client.stats().json)
         wall = time.perf_counter() - t0
     finally:
         dep.shutdown(grace_s=10)
     with output_path.open("w", encoding="utf-8") as f:
-        for i, ((rid, _, _), res) in enumerate(zip(rows, results)):
-            f.write(json.dumps(result_row(rid or str(i), res)) + "\n")
+        for (rid, _, _), res in zip(rows, results):
+            f.write(json.dumps(result_row(rid, res)) + "\n")
     total = sum(len(r.token_ids) for r in results)
     return {"requests": len(rows), "generated_tokens": total, "wall_s": wall, "tokens_per_s": total / wall,
             "cache_hit_rate": stats.get("cache_hit_rate"), "placement": {k: info[k] for k in ("drafter", "verifier")}}

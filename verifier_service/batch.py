@@ -39,16 +39,19 @@ def build_engine(pair: LoadedPair, settings: BatchSettings) -> VerifierEngine:
     return VerifierEngine(pair.target, config, drafter=drafter, k=settings.k)
 
 
-def make_sequences(pair: LoadedPair, rows: list[tuple[str | None, object, SamplingParams]]) -> list[Sequence]:
+def make_sequences(pair: LoadedPair, rows: list[tuple[str, object, SamplingParams]]) -> list[Sequence]:
+    """One sequence per request; ids must be unique (the engine keys its block tables by them)."""
+    if len({rid for rid, _, _ in rows}) != len(rows):
+        raise ValueError("request ids must be unique")
     seqs = []
     vocab = pair.target.vocab_size
     max_len = pair.target.spec.max_positions
-    for i, (rid, prompt, params) in enumerate(rows):
+    for rid, prompt, params in rows:
         ids = chat.encode(pair.tokenizer, prompt)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"request {rid or i}: prompt_token_ids out of vocabulary (size {vocab}): {bad[:3]}")
-        seqs.append(Sequence(rid if rid is not None else str(i), list(ids), params, eos_ids=pair.eos_ids,
+            raise ValueError(f"request {rid}: prompt_token_ids out of vocabulary (size {vocab}): {bad[:3]}")
+        seqs.append(Sequence(rid, list(ids), params, eos_ids=pair.eos_ids,
                              max_len=max_len, detokenizer=IncrementalDetokenizer(pair.tokenizer)))
     return seqs
 

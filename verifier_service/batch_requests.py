@@ -79,8 +79,9 @@ def parse_request(row: object, line_no: int, default_max_new: int) -> tuple[str 
     return (str(rid) if rid is not None else None), (prompt if prompt is not None else ids), params
 
 
-def read_requests(input_path: Path, default_max_new: int) -> list[tuple[str | None, object, SamplingParams]]:
-    """Parse and validate every line of a JSONL request file (ValueError naming the bad line)."""
+def read_requests(input_path: Path, default_max_new: int) -> list[tuple[str, object, SamplingParams]]:
+    """Parse and validate every line of a JSONL request file (ValueError naming the bad line); every request
+    gets a unique id (:func:`assign_ids`)."""
     if not input_path.is_file():
         raise ValueError(f"input file not found: {input_path}")
     rows = []
@@ -88,12 +89,38 @@ def read_requests(input_path: Path, default_max_new: int) -> list[tuple[str | No
         lines = input_path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise ValueError(f"{input_path} is not valid UTF-8") from None
+    line_nos = []
     for line_no, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(parse_request(json.loads(line), line_no, default_max_new))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"line {line_no}: not valid JSON ({exc.msg})") from None
+            line_nos.append(line_no)
     if not rows:
         raise ValueError(f"{input_path} has no requests")
-    return rows
+    ids = assign_ids([rid for rid, _, _ in rows], line_nos)
+    return [(rid, prompt, params) for rid, (_, prompt, params) in zip(ids, rows)]
+
+
+def assign_ids(given: list[str | None], line_nos: list[int]) -> list[str]:
+    """Every request's id: the user's (which must be unique: ``ValueError`` naming both lines), else its 0-based
+    index as a string, or ``line-N`` where a user already took that index, so no generated id equals a user's."""
+    first: dict[str, int] = {}
+    for rid, line_no in zip(given, line_nos):
+        if rid is None:
+            continue
+        if rid in first:
+            raise ValueError(f"line {line_no}: duplicate id {rid!r} (first used on line {first[rid]}); "
+                             "request ids must be unique")
+        first[rid] = line_no
+    out, taken = [], set(first)
+    for i, (rid, line_no) in enumerate(zip(given, line_nos)):
+        if rid is None:
+            rid = str(i)
+            n = 1
+            while rid in taken:
+                rid, n = f"line-{line_no}" + (f"-{n}" if n > 1 else ""), n + 1
+            taken.add(rid)
+        out.append(rid)
+    return out
