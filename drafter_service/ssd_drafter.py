@@ -10,6 +10,11 @@ After the verifier's outcome of round R, for each request the drafter:
      the prefix, ``glue[0..j]`` and its own earlier tokens; its K/V goes to scratch slots past the glue);
   5. returns one :class:`BranchBundle` per request: ``(j, candidate) → Speculation`` with the exact q rows.
 
+Out of KV blocks: a request whose slots do not fit in the pool gets a smaller bundle (trunk only, no branches) or
+none at all (its round misses and the verifier uses its backup), and an empty just-in-time draft (the verifier then
+decodes one token). Nothing is allocated for it; it drafts again once other requests free blocks. The pool is never
+a reason to fail a request.
+
 KV reconciliation: on the next outcome (k accepted) the trunk ``prefix + bonus + S[:k]`` stays (it is the glue's
 K/V at its true positions) and everything past it is truncated; the branch that hit is re-glued next round.
 
@@ -27,7 +32,7 @@ import torch
 
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
 from drafter_service.fanout import FanoutConfig, fanout_for
-from spec_core.block_manager import BlockManager
+from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
@@ -89,6 +94,8 @@ class SSDDrafter:
         self.accept_rate = self.acceptance.value
         self.miss_exponent = self.miss.r
         self.jit_s_per_token = 0.0
+        #: Times a request's drafting was cut short because the KV pool was out of blocks.
+        self.out_of_blocks = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence, k: int) -> None:
@@ -97,6 +104,15 @@ class SSDDrafter:
     def free(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.blocks.free(request_id)
+
+    def _reserve(self, req: DraftRequest, total_tokens: int) -> bool:
+        """Grow ``req``'s table to ``total_tokens`` slots, or allocate nothing and return False (pool exhausted)."""
+        try:
+            self.blocks.ensure(req.seq.request_id, total_tokens)
+            return True
+        except NoFreeBlocks:
+            self.out_of_blocks += 1
+            return False
 
     def _slots(self, rid: str, a: int, b: int) -> list[int]:
         return self.blocks.slots(rid, a, b)
@@ -146,13 +162,13 @@ class SSDDrafter:
     def _draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:
         toks: list[list[int]] = [[] for _ in reqs]
         rows: list[list[torch.Tensor]] = [[] for _ in reqs]
-        for step in range(max(r.k for r in reqs)):
-            live = [i for i, r in enumerate(reqs) if r.k > step]
+        ks = [r.k if self._reserve(r, r.seq.num_tokens + r.k + 1) else 0 for r in reqs]
+        for step in range(max(ks)):
+            live = [i for i, k in enumerate(ks) if k > step]
             items = []
             for i in live:
                 r = reqs[i]
                 rid, n = r.seq.request_id, r.seq.num_tokens
-                self.blocks.ensure(rid, n + r.k + 1)
                 if step == 0:
                     c = r.num_computed
                     chunk, start = r.seq.token_ids[c:], c
@@ -172,14 +188,31 @@ class SSDDrafter:
 
     # ---- branch bundles -------------------------------------------------------------------------------------
     def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
-        """Glue forward, fork, and K batched tree-decode steps for every request (module docstring)."""
-        glue_items, fans = [], []
+        """Glue forward, fork, and K batched tree-decode steps for every request (module docstring). A request
+        whose K/V does not fit in the pool gets an empty bundle (its next round misses)."""
+        fans = [self._fit_fanout(r, s) for r, s in zip(reqs, specs)]
+        kept = [i for i, fan in enumerate(fans) if fan is not None]
+        built = iter(self._build([reqs[i] for i in kept], [specs[i] for i in kept], [fans[i] for i in kept])
+                     if kept else [])
+        now = time.perf_counter()
+        return [next(built) if fan is not None else BranchBundle(r.seq.request_id, r.round, list(s.token_ids), {},
+                                                                 ready_at=now)
+                for r, s, fan in zip(reqs, specs, fans)]
+
+    def _fit_fanout(self, r: DraftRequest, s: Speculation) -> list[int] | None:
+        """The fan-out for ``r`` with its slots reserved: the full one, else the trunk alone (no branches), else
+        None when not even the glue fits."""
+        fan = fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
+        n = r.seq.num_tokens
+        if self._reserve(r, n + s.k + r.k * sum(fan)):
+            return fan
+        return [0] * len(fan) if self._reserve(r, n + s.k) else None
+
+    def _build(self, reqs: list[DraftRequest], specs: list[Speculation], fans: list[list[int]]) -> list[BranchBundle]:
+        glue_items = []
         for r, s in zip(reqs, specs):
             rid, n = r.seq.request_id, r.seq.num_tokens
-            fan = fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
-            fans.append(fan)
             c = min(r.num_computed, n - 1)
-            self.blocks.ensure(rid, n + s.k + r.k * sum(fan))
             tokens = r.seq.token_ids[c:] + s.token_ids
             glue_items.append(WorkItem(self._slots(rid, 0, c), tokens, list(range(c, n + s.k)),
                                        self._slots(rid, c, n + s.k), len(tokens), [],

@@ -113,3 +113,56 @@ def test_prefill_and_free_in_one_batch_leaks_nothing(tiny_models):
     assert set(drafter.requests) == {"b"} and [m.request_id for m in loop.link.sent] == ["b"]
     loop.handle([FreeEvent("b")])
     drafter.blocks.check_all_free()
+
+
+def test_drafter_out_of_blocks_degrades_and_leaks_nothing(tiny_models):
+    """A pool far too small for 8 long requests: the drafter builds what fits (some bundles trunk-only or empty)
+    and never raises; every block comes back."""
+    from drafter_service.process import DrafterLoop
+    from drafter_service.ssd_drafter import SSDDrafter
+    from spec_core.speculation import FreeEvent, OutcomeEvent, PrefillEvent
+
+    class Sink:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama-draft"]),
+                         SSDConfig(k=3, fanout=FanoutConfig(budget=4), num_blocks=12, block_size=16))
+    loop = DrafterLoop(drafter, Sink())
+    params = SamplingParams(max_new_tokens=8)
+    prompts = _prompts(8)
+    loop.handle([PrefillEvent(str(i), p * 4, params, 3) for i, p in enumerate(prompts)])
+    bundles = loop.link.sent
+    assert len(bundles) == 8 and drafter.out_of_blocks > 0
+    assert any(b.entries for b in bundles) and any(not b.entries for b in bundles)
+    # a miss answered just in time with the pool still full: an empty draft, not a crash
+    full = [b for b in bundles if not b.entries][0]
+    req = drafter.requests[full.request_id]
+    loop.handle([OutcomeEvent(full.request_id, 0, [], 0, 7, next_k=3, verify_s=10.0, jit=True)])
+    assert req.round == 1
+    loop.handle([FreeEvent(str(i)) for i in range(8)])
+    drafter.blocks.check_all_free()
+
+
+def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
+    """End to end (two processes): 8 long requests through a drafter pool of 12 blocks. The drafter process
+    survives and keeps speculating, the output equals AR, and the verifier's pool is whole at the end."""
+    target = ModelRunner(tiny_models["llama"])
+    prompts = [p * 5 for p in _prompts(8)]
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4),
+                                                                    num_blocks=12, block_size=16),
+                         max_num_seqs=8, wait_fraction=1.0)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with LocalSSD(target, cfg) as local:
+        seqs = [Sequence(str(i), p, params) for i, p in enumerate(prompts)]
+        for s in seqs:
+            local.engine.add(s)
+        local.engine.run()
+        local.engine.blocks.check_all_free()
+        alive, stats = local.proc.is_alive(), local.proposer.stats
+    assert [s.output_ids for s in seqs] == _reference(target, prompts, 12)
+    assert alive  # before the fix, the drafter process died of NoFreeBlocks and the backup served the rest
+    assert stats.hits + stats.jit > 0, stats
