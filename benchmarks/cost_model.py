@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from spec_core.quant import matmul
 from spec_core.runner import ModelRunner
 
 
@@ -61,7 +62,7 @@ def time_matmuls(runner: ModelRunner, rows: int = 1, repeats: int = 200) -> floa
 
     def run() -> None:
         for m in mats:
-            xs[m.shape[0]] @ m
+            matmul(xs[m.shape[0]], m)
 
     return median_time(run, runner.device, repeats)
 
@@ -125,14 +126,14 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
                   repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1) -> dict:
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
     then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
-    from spec_core.config import parse_dtype, resolve_dtype
+    from spec_core.config import parse_dtype, resolve_dtype, weight_format
 
     name = resolve_dtype(dtype, device)
     on_cpu = torch.device(device).type == "cpu"
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
     with pinned(cores, threads):
-        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device)
+        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name))
         draft = ModelRunner(draft_path, dtype=parse_dtype(name), device=device)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)

@@ -16,7 +16,9 @@ Mode = Literal["ar", "sd", "ssd"]
 MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "auto": "auto"}
+           "float16": "float16", "fp16": "float16", "auto": "auto", "int8": "int8"}
+#: Weight-only formats: their weights are stored quantized; everything else computes in the given dtype.
+WEIGHT_ONLY = {"int8": "float32"}
 
 
 def check_dtype(name: str) -> str:
@@ -49,9 +51,17 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
 
 
 def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The compute dtype (activations, KV cache) for ``name``: ``int8`` computes in fp32 (:mod:`spec_core.quant`)."""
     import torch
 
-    return getattr(torch, resolve_dtype(name, device))
+    name = resolve_dtype(name, device)
+    return getattr(torch, WEIGHT_ONLY.get(name, name))
+
+
+def weight_format(name: str, device: str = "cpu") -> str | None:
+    """``int8`` for the weight-only int8 dtype, else None (weights in the compute dtype)."""
+    name = resolve_dtype(name, device)
+    return name if name in WEIGHT_ONLY else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,10 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.device)
+
+    @property
+    def weights(self) -> str | None:
+        return weight_format(self.dtype, self.device)
 
     @property
     def resolved_dtype(self) -> str:

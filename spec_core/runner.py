@@ -16,6 +16,9 @@ covers (as EAGLE-3 and FR-Spec drafts do). The head then multiplies by those row
 over the full vocabulary with ``-inf`` outside the map, so the proposal q is exactly zero there and every caller
 (sampling, the q rows sent to the verifier) sees one full-vocabulary distribution.
 
+Weight formats. ``weights="int8"`` stores every weight matrix (and the LM head) as weight-only int8
+(:mod:`spec_core.quant`); the rest computes in ``dtype``.
+
 A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`).
 """
 
@@ -33,6 +36,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core.model_paths import resolve_model
+from spec_core.quant import Int8Weight, matmul, nbytes, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +207,12 @@ class PagedBatch:
 class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 weights: str | None = None) -> None:
+        if weights not in (None, "int8"):
+            raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path)
+        self.weights = weights
         self.path = path
         self.hf_config = AutoConfig.from_pretrained(str(path))
         self.spec = ArchSpec.from_hf(self.hf_config)
@@ -221,6 +229,11 @@ class ModelRunner:
         self.lm_head = _t(head)
         self.norm = w["model.norm.weight"]
         self.layers = [Layer(w, f"model.layers.{i}", self.spec) for i in range(self.spec.num_layers)]
+        if weights == "int8":
+            self.lm_head = quantize_int8(self.lm_head)
+            for layer in self.layers:
+                layer.qkv, layer.o = quantize_int8(layer.qkv), quantize_int8(layer.o)
+                layer.gate_up, layer.down = quantize_int8(layer.gate_up), quantize_int8(layer.down)
         rotary = LlamaRotaryEmbedding(self.hf_config)
         positions = torch.arange(self.spec.max_positions)[None]
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
@@ -233,7 +246,7 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def weight_matrices(self) -> list[torch.Tensor]:
+    def weight_matrices(self) -> list[torch.Tensor | Int8Weight]:
         """Every weight matrix one decode step multiplies by (``[in, out]``), in order: what a token must read."""
         mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return mats + [self.lm_head]
@@ -242,7 +255,7 @@ class ModelRunner:
         """Bytes of weights one decode step reads: the matrices, the norms and one embedding row."""
         norms = [self.norm] + [n for layer in self.layers for n in (layer.ln_attn, layer.ln_mlp)]
         tensors = self.weight_matrices() + norms + [self.embed[0]]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(nbytes(t) for t in tensors)
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.spec, num_blocks, block_size, self.dtype, self.device)
@@ -324,7 +337,12 @@ class ModelRunner:
         h = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
-            qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, x.flatten(0, 1), layer.qkv).view(bsz, t, -1)
+            if layer.qkv_bias is None:
+                qkv = matmul(x, layer.qkv)
+            elif isinstance(layer.qkv, Int8Weight):
+                qkv = matmul(x, layer.qkv) + layer.qkv_bias
+            else:
+                qkv = torch.addmm(layer.qkv_bias, x.flatten(0, 1), layer.qkv).view(bsz, t, -1)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(bsz, t, spec.num_heads, spec.head_dim)
             k = k.view(bsz, t, spec.num_kv_heads, spec.head_dim)
@@ -336,14 +354,14 @@ class ModelRunner:
             v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
             keys, values = store(li, k, v)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
-            h = h + attn.transpose(1, 2).reshape(bsz, t, self.q_size) @ layer.o
+            h = h + matmul(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
             x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
-            gate, up = (x @ layer.gate_up).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ layer.down
+            gate, up = matmul(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + matmul(F.silu(gate) * up, layer.down)
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = rms_norm(h, self.norm, spec.rms_norm_eps)
-        logits = (h @ self.lm_head).float()
+        logits = matmul(h, self.lm_head).float()
         if self.token_map is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], spec.vocab_size), float("-inf"))

@@ -22,7 +22,7 @@ class CliError(Exception):
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (default auto)")
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 (default auto)")
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
     b.add_argument("--modes", default="ar,sd")

@@ -37,21 +37,22 @@ def test_generate_defaults_to_auto(real_pair):
 
 def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, report):
     """On the toy pair: bf16 without native support (AVX2-only CPUs) is emulated and very slow on the real one."""
-    proc = ssd("bench-costs", "--dtype", "float32,bfloat16", "--repeats", "3", "--k-max", "2", "--threads", "1",
+    proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8", "--repeats", "3", "--k-max", "2", "--threads", "1",
                "--context", "32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     rows = {r["dtype"]: r for r in out["rows"]}
-    assert list(rows) == ["float32", "bfloat16"]
-    f32, b16 = rows["float32"], rows["bfloat16"]
-    for r in (f32, b16):
+    assert list(rows) == ["float32", "bfloat16", "int8"]
+    f32, b16, i8 = rows["float32"], rows["bfloat16"], rows["int8"]
+    for r in (f32, b16, i8):
         assert r["threads"] == 1 and r["device"] == "cpu"
         assert 0 < r["floor_t1_s"] < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
         assert set(r["V"]) == {"1", "2"}
     # the weights really are loaded in each dtype: half the bytes per token in bf16
     assert f32["weight_bytes_per_token"] == 2 * b16["weight_bytes_per_token"]
+    assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
     assert f32["target_t1_s"] != b16["target_t1_s"]
-    for r in (f32, b16):
+    for r in (f32, b16, i8):
         report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms, matmuls alone "
                f"{r['target_matmul_t1_s'] * 1e3:.1f} ms, floor {r['floor_t1_s'] * 1e3:.1f} ms, "
                f"V(2) {r['V']['2']:.2f} (3 repeats, context 32, not asserted)")
@@ -81,3 +82,25 @@ def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):
         assert "skipping llama-cpp, llama-cpp-2t" in proc.stderr
     else:
         assert rows["llama-cpp"]["tokens_per_s"] > 0 and rows["llama-cpp-2t"]["target_threads"] == 2
+
+
+def test_int8_weights_are_per_channel_symmetric():
+    import torch
+
+    from spec_core.quant import dequantize, matmul, quantize_int8
+
+    gen = torch.Generator().manual_seed(3)
+    w_t = torch.randn(96, 40, generator=gen)  # [in, out], as the runner stores it
+    q = quantize_int8(w_t)
+    assert q.shape == (96, 40) and q.q.dtype == torch.int8 and q.nbytes < w_t.numel() * 4 / 3.5
+    step = w_t.abs().amax(0) / 127  # one scale per output channel
+    assert ((dequantize(q) - w_t).abs() <= step * (1 + 2**-6) / 2).all()
+    x = torch.randn(3, 5, 96, generator=gen)
+    ref = x.to(torch.bfloat16).float() @ dequantize(q)
+    got = matmul(x, q)
+    assert got.shape == (3, 5, 40) and got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    with pytest.raises(ValueError, match="unknown weight format"):
+        from spec_core.runner import ModelRunner
+
+        ModelRunner("unused", weights="int4")
