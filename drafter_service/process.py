@@ -1,7 +1,7 @@
 """The drafter as its own OS process (local two-process SSD), pinned to its own core, talking over a pipe.
 
-:class:`PipeLink` is the transport interface (``send``, ``poll``, ``recv``) that the gRPC transport also
-implements. The drafter loop blocks only on the link: it drains every event that has arrived, applies outcomes,
+:class:`PipeLink` is the transport interface (``send``, ``poll``, ``recv``, ``alive``) that the gRPC transport
+also implements. The drafter loop blocks only on the link: it drains every event that has arrived, applies outcomes,
 answers misses just in time, then builds the next branch bundles for all requests in one batch.
 """
 
@@ -47,10 +47,14 @@ class PipeLink:
     carry probability rows).
     """
 
-    def __init__(self, conn, vocab_size: int | None = None) -> None:
+    def __init__(self, conn, vocab_size: int | None = None, proc: mp.Process | None = None) -> None:
+        """``proc``: the process at the other end, if this end spawned it (then :attr:`alive` watches it)."""
         self.conn = conn
         self.vocab_size = vocab_size
+        self.proc = proc
         self.bytes_sent = 0
+        self._closed = False  # the other end is gone (EOF or a broken pipe seen)
+        self._pending: bytes | None = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="pipe-writer", daemon=True)
         self._writer.start()
@@ -72,11 +76,31 @@ class PipeLink:
         else:
             self._outbox.put(b"O" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
+    @property
+    def alive(self) -> bool:
+        """False once the other end has gone: its process died, or the pipe reached EOF."""
+        return not self._closed and (self.proc is None or self.proc.is_alive())
+
     def poll(self, timeout: float | None = 0.0) -> bool:
-        return self.conn.poll(timeout)
+        """Whether a message is ready; a closed pipe is never ready (it marks the link dead instead)."""
+        if self._pending is not None:
+            return True
+        if self._closed:
+            return False
+        try:
+            if not self.conn.poll(timeout):
+                return False
+            self._pending = self.conn.recv_bytes()
+            return True
+        except (EOFError, OSError):
+            self._closed = True
+            return False
 
     def recv(self) -> object:
-        data = self.conn.recv_bytes()
+        """The next message (blocking); ``EOFError`` once the other end has gone."""
+        if self._pending is None and not self.poll(None):
+            raise EOFError("the other end of the pipe has gone")
+        data, self._pending = self._pending, None
         if data[:1] == b"P":
             from protos.codec import message_from_pb
             from protos.ssd.v1 import ssd_pb2
@@ -194,8 +218,12 @@ class DrafterLoop:
             self.link.send(SpeculationMsg(reqs[i].seq.request_id, reqs[i].round, spec))
 
     def run(self) -> None:
+        """Serve until "stop", or until the verifier's end of the link is gone."""
         while self.running:
-            events = [self.link.recv()]
+            try:
+                events = [self.link.recv()]
+            except EOFError:
+                return
             while self.link.poll(0):
                 events.append(self.link.recv())
             self.handle(events)
@@ -221,7 +249,7 @@ def spawn_drafter(config: DrafterProcessConfig, timeout_s: float = 120.0) -> tup
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=drafter_process_main, args=(child, config), daemon=True, name="ssd-drafter")
     proc.start()
-    link = PipeLink(parent)
+    link = PipeLink(parent, proc=proc)
     deadline = time.monotonic() + timeout_s
     while not link.poll(0.1):
         if not proc.is_alive() or time.monotonic() > deadline:

@@ -166,3 +166,37 @@ def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
     assert [s.output_ids for s in seqs] == _reference(target, prompts, 12)
     assert alive  # before the fix, the drafter process died of NoFreeBlocks and the backup served the rest
     assert stats.hits + stats.jit > 0, stats
+
+
+def test_local_drafter_killed_mid_stream_recovers(tiny_models):
+    """Kill the drafter process mid-generation: the request completes equal to AR on the backup, the watcher
+    starts a new drafter process, and the next request speculates from it again."""
+    import time
+
+    target = ModelRunner(tiny_models["llama"])
+    prompts = _prompts(2)
+    ref = _reference(target, prompts, 48)
+    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=1,
+                         verify_delay_s=0.02, wait_fraction=1.0, restart_interval_s=0.2)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    with LocalSSD(target, cfg) as local:
+        first_pid = local.proc.pid
+        seq = Sequence("a", prompts[0], params)
+        local.engine.add(seq)
+        for _ in range(4):
+            local.engine.step()
+        local.proc.kill()
+        local.engine.run()
+        assert seq.output_ids == ref[0]
+        assert local.proposer.stats.backup > 0
+        deadline = time.monotonic() + 120
+        while local.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert local.restarts == 1 and local.proc.pid != first_pid and local.link.alive
+        hits_before = local.proposer.stats.hits
+        again = Sequence("b", prompts[1], params)
+        local.engine.add(again)
+        local.engine.run()
+        assert again.output_ids == ref[1]
+        assert local.proposer.reconnects == 1 and local.proposer.stats.hits > hits_before
+        local.engine.blocks.check_all_free()

@@ -2,12 +2,17 @@
 
 The two exchange outcomes and speculations over a pipe (:class:`drafter_service.process.PipeLink`), the same
 interface the gRPC transport implements, so the loop is tested and measured without Ray.
+
+A dead drafter process (killed, crashed) is seen by the link at once: every round then runs on the backup, while a
+watcher thread starts a new drafter process; the engine switches to it between steps, and every request in flight
+re-prefills there, as a reconnected gRPC drafter does.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +45,8 @@ class LocalSSDConfig:
     adaptive_k: bool = False
     #: the drafter process's dtype; ``None``: the target's
     draft_dtype: str | None = None
+    #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
+    restart_interval_s: float = 0.5
 
 
 class LocalSSD:
@@ -55,8 +62,12 @@ class LocalSSD:
         self.link = None
         self.drafter_info: dict = {}
         self.engine: VerifierEngine | None = None
+        #: Drafter processes started after the first one died.
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
-    def __enter__(self) -> LocalSSD:
+    def _spawn(self) -> None:
         cfg = self.config
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, cfg.ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
@@ -64,6 +75,26 @@ class LocalSSD:
                                  dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."))
         )
         self.link.vocab_size = self.target.vocab_size
+
+    def _watch(self) -> None:
+        """Restart a dead drafter process; the proposer switches to the new link at its next step."""
+        while not self._stopping.wait(self.config.restart_interval_s):
+            if self.link.alive or self.proposer.pending_link is not None:
+                continue
+            old_link, code = self.link, self.proc.exitcode
+            logger.warning("drafter process died (exit code %s); starting a new one (backup meanwhile)", code)
+            try:
+                self._spawn()
+            except RuntimeError as exc:
+                logger.warning("drafter restart failed: %s", exc)
+                continue
+            old_link.close(timeout_s=0.1)
+            self.restarts += 1
+            self.proposer.pending_link = self.link
+
+    def __enter__(self) -> LocalSSD:
+        cfg = self.config
+        self._spawn()
         if cfg.verifier_core is not None and hasattr(os, "sched_setaffinity"):
             self._old_affinity = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cfg.verifier_core})
@@ -78,6 +109,9 @@ class LocalSSD:
             from verifier_service.adaptive import AdaptiveK
 
             self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
+        if cfg.restart_interval_s > 0:
+            self._watcher = threading.Thread(target=self._watch, name="drafter-watch", daemon=True)
+            self._watcher.start()
         return self
 
     @property
@@ -86,6 +120,9 @@ class LocalSSD:
         return self.engine.drafter
 
     def __exit__(self, *exc) -> None:
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=30)
         if self.link is not None:
             try:
                 self.link.send("stop")

@@ -93,6 +93,9 @@ class SSDProposer:
         self.down_at_round: int | None = None
         self.switch_rounds: int | None = None
         self.link = link
+        #: A new link to switch to at the start of the next step (set by a watcher thread that restarted the
+        #: drafter; :meth:`replace_link` runs on the engine's thread).
+        self.pending_link = None
         self.vocab_size = vocab_size
         self.backup = backup
         self.wait_fraction = wait_fraction
@@ -132,6 +135,9 @@ class SSDProposer:
 
     # ---- proposer interface ---------------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[TokenTree]:
+        if self.pending_link is not None:
+            link, self.pending_link = self.pending_link, None
+            self.replace_link(link)
         self._drain()
         specs: dict[str, Speculation | None] = {}
         waiting = []
