@@ -113,6 +113,17 @@ def test_single_request_paths_equal_transformers(pair, prompts, hf_greedy):
             assert res.token_ids == hf_greedy[i], (mode, i)
 
 
+def _agreement(outs, refs) -> tuple[int, int, int, int]:
+    """(identical outputs, matching-prefix tokens, reference tokens, first tokens equal)."""
+    same = prefix = total = first = 0
+    for out, ref in zip(outs, refs):
+        same += out == ref
+        prefix += next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        total += len(ref)
+        first += out[0] == ref[0]
+    return same, prefix, total, first
+
+
 def test_bf16_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, report, tmp_path):
     from spec_core.config import ModelConfig, native_bf16
     from spec_core.models import load_pair
@@ -127,29 +138,12 @@ def test_bf16_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, 
         prompts = [ids[-16:] for ids in prompts[::N_EACH]]
         hf_greedy = _batch(pair, prompts, "ar", tmp_path, new=new)
         where = f"emulated on this CPU: 1 code and 1 chat prompt, their last 16 tokens, {new} new"
-    same, prefix, total, first = 0, 0, 0, 0
-    for out, ref in zip(_batch(bf16, prompts, "ar", tmp_path, new=new), hf_greedy):
-        same += out == ref
-        n = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-        prefix += n
-        total += len(ref)
-        first += out[0] == ref[0]
+    same, prefix, total, first = _agreement(_batch(bf16, prompts, "ar", tmp_path, new=new), hf_greedy)
     report(f"bf16 vs fp32 greedy (real target, {len(prompts)} prompts x {new} tokens): {same}/{len(prompts)} "
            f"identical, matching prefix {prefix}/{total} tokens ({prefix / total:.3f}); bf16 {where}")
     # Exact agreement is reported, not asserted (bf16 is a different numeric model); a broken bf16 path would
     # not even agree on the first token.
     assert first >= 0.75 * len(prompts), first
-
-
-def _agreement(outs, refs) -> tuple[int, int, int, int]:
-    """(identical outputs, matching-prefix tokens, reference tokens, first tokens equal)."""
-    same = prefix = total = first = 0
-    for out, ref in zip(outs, refs):
-        same += out == ref
-        prefix += next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-        total += len(ref)
-        first += out[0] == ref[0]
-    return same, prefix, total, first
 
 
 def test_int8_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, report, tmp_path):
