@@ -232,11 +232,11 @@ class ModeRunner:
             self.service = ServiceMode(target.path, draft.path, settings.k)
         self.local_ssd = None
         if "ssd" in settings.modes:
-            from drafter_service.ssd_drafter import SSDConfig
-            from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
+            from cluster.local_ssd import LocalSSD, LocalSSDConfig
+            from spec_core.config import SSDConfig
 
             pair = self.gen.pair
-            from drafter_service.fanout import FanoutConfig
+            from spec_core.fanout import FanoutConfig
 
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c)
             self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
@@ -302,7 +302,7 @@ class ModeRunner:
             self.ssd_extra[mode].append(extra)
             return result
         if mode == "ssd":
-            from verifier_service.local_ssd import generate_ssd
+            from cluster.local_ssd import generate_ssd
 
             ids = self.gen.encode(prompt)
             seq, stats, extra = generate_ssd(self.local_ssd, ids, params)

@@ -24,7 +24,7 @@ def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=Non
         return engine
     drafter = None
     if mode == "sd":
-        from drafter_service.draft_engine import BatchDrafter, DraftConfig
+        from spec_core.draft_engine import BatchDrafter, DraftConfig
 
         drafter = BatchDrafter(pair.draft, DraftConfig(k=k, num_blocks=4096))
     sched = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=max(k, 1))

@@ -12,10 +12,10 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from cluster.offline_batch import run_batch
 from spec_core.config import ModelConfig, SamplingParams
 from spec_core.models import load_pair
 from spec_core.prompts import chat_prompts, humaneval_prompts
-from verifier_service.batch import run_batch
 from verifier_service.batch_requests import BatchSettings
 
 

@@ -11,12 +11,12 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from cluster.offline_batch import build_engine
 from spec_core import chat
 from spec_core.config import ModelConfig, SamplingParams
 from spec_core.models import load_pair, set_threads
 from spec_core.prompts import humaneval_prompts
 from spec_core.sequence import Sequence
-from verifier_service.batch import build_engine
 from verifier_service.batch_requests import BatchSettings
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
-from drafter_service.fanout import FanoutConfig
 from drafter_service.server import DrafterServerConfig
-from drafter_service.ssd_drafter import SSDConfig
+from spec_core.config import SSDConfig
+from spec_core.fanout import FanoutConfig
 from verifier_service.server import VerifierServerConfig
 
 logger = logging.getLogger(__name__)

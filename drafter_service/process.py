@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from drafter_service.ssd_drafter import DraftRequest, SSDConfig, SSDDrafter
+from drafter_service.ssd_drafter import DraftRequest, SSDDrafter
+from spec_core.config import SSDConfig
 from spec_core.ngram import backup_tokens
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence

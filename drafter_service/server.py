@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from drafter_service.process import DrafterLoop
-from drafter_service.ssd_drafter import SSDConfig, SSDDrafter
+from drafter_service.ssd_drafter import SSDDrafter
 from protos import codec
 from protos.serving import PeekQueue, ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
+from spec_core.config import SSDConfig
 from spec_core.runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
-from drafter_service.fanout import FanoutConfig, fanout_for
 from spec_core.block_manager import BlockManager, NoFreeBlocks
+from spec_core.config import SSDConfig
+from spec_core.fanout import fanout_for
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
@@ -43,28 +44,6 @@ logger = logging.getLogger(__name__)
 
 #: Candidate ranks tracked per position for the miss-exponent estimate.
 MAX_RANK = 16
-
-
-@dataclass(frozen=True, slots=True)
-class SSDConfig:
-    k: int = 5
-    fanout: FanoutConfig = field(default_factory=FanoutConfig)
-    saguaro_c: float = 1.0
-    #: The drafter proposes from its top-n tokens only (renormalised; exact, see ``truncate_top_n``), so sampled
-    #: speculations ship n (id, prob) pairs per token instead of a vocabulary-sized row. 0 = the full q.
-    proposal_top_n: int = 64
-    num_blocks: int = 1024
-    block_size: int = 16
-    #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
-    drop_cache: bool = False
-    #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
-    ship_raw_q: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.k <= 16:
-            raise ValueError(f"k must be in [1, 16], got {self.k}")
-        if not 0 < self.saguaro_c <= 1:
-            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
 
 
 @dataclass(slots=True)

@@ -88,7 +88,7 @@ class Generator:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "ssd":
-            raise ValueError("mode 'ssd' runs the drafter in its own process: use verifier_service.local_ssd "
+            raise ValueError("mode 'ssd' runs the drafter in its own process: use cluster.local_ssd "
                              "(what `ssd generate --mode ssd` does)")
         ids = chat.encode(self.pair.tokenizer, prompt)
         self.check_token_ids(ids)

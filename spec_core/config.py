@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from spec_core.fanout import FanoutConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -127,21 +129,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
-class SpecConfig:
-    """Speculation settings: ``k`` draft tokens per round (0 = plain decoding)."""
+class SSDConfig:
+    """The SSD drafter: K tokens per speculation, the fan-out over outcomes, Saguaro's C and its KV pool."""
 
     k: int = 5
+    fanout: FanoutConfig = field(default_factory=FanoutConfig)
+    saguaro_c: float = 1.0
+    #: The drafter proposes from its top-n tokens only (renormalised; exact, see ``truncate_top_n``), so sampled
+    #: speculations ship n (id, prob) pairs per token instead of a vocabulary-sized row. 0 = the full q.
+    proposal_top_n: int = 64
+    num_blocks: int = 1024
+    block_size: int = 16
+    #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
+    drop_cache: bool = False
+    #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
+    ship_raw_q: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.k <= 32:
-            raise ValueError(f"k must be in [0, 32], got {self.k}")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Which models run, and how."""
-
-    target: ModelConfig
-    draft: ModelConfig | None = None
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    num_threads: int | None = None
+        if not 1 <= self.k <= 16:
+            raise ValueError(f"k must be in [1, 16], got {self.k}")
+        if not 0 < self.saguaro_c <= 1:
+            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")

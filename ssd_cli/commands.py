@@ -119,8 +119,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
         summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, target.path, draft.path)
     else:
+        from cluster.offline_batch import run_batch
         from spec_core.models import load_pair, set_threads
-        from verifier_service.batch import run_batch
 
         set_threads(args.threads)
         summary = run_batch(load_pair(target, draft), requests, Path(args.output), settings)
@@ -132,9 +132,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
     """One request through local two-process SSD (verifier here on core 0, drafter process on core 1)."""
-    from drafter_service.ssd_drafter import SSDConfig
+    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
     from spec_core.api import GenerationResult
-    from verifier_service.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+    from spec_core.config import SSDConfig
 
     if k < 1:
         raise CliError("--mode ssd needs --k >= 1")

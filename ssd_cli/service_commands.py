@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.launch import PairConfig, launch
-    from drafter_service.fanout import FanoutConfig
+    from spec_core.fanout import FanoutConfig
     from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()

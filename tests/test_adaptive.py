@@ -6,14 +6,13 @@ import os
 
 import pytest
 
-from drafter_service.fanout import FanoutConfig
-from drafter_service.ssd_drafter import SSDConfig
-from spec_core.config import SamplingParams
+from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from spec_core.config import SamplingParams, SSDConfig
 from spec_core.decoding import generate_ar
+from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
 from verifier_service.adaptive import AdaptiveK, LinearCost
-from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
 from verifier_service.ssd_proposer import SSDProposer
 
 

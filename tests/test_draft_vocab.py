@@ -14,8 +14,8 @@ from conftest import save_tiny_model
 from test_engine import ar_reference, make_engine
 from test_ssd_distribution import PROMPT, TEMP, VOCAB, exact_pairs, min_pvalue
 
-from drafter_service.draft_engine import BatchDrafter, DraftConfig
 from spec_core.config import SamplingParams
+from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence

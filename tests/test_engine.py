@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.draft_engine import BatchDrafter, DraftConfig
 from spec_core.config import SamplingParams
 from spec_core.decoding import generate_ar
+from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.models import load_tokenizer
 from spec_core.packing import WorkItem, pack
 from spec_core.prompts import humaneval_prompts

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
-from drafter_service.fanout import FanoutConfig, fanout_for, geometric_fanout, geometric_weights, uniform_fanout
-from drafter_service.policy import BackupCost, best_k, choose_backup, crossover_batch, expected_tokens, ssd_throughput
+from spec_core.fanout import FanoutConfig, fanout_for, geometric_fanout, geometric_weights, uniform_fanout
+from spec_core.policy import BackupCost, best_k, choose_backup, crossover_batch, expected_tokens, ssd_throughput
 
 KS = range(0, 9)
 BUDGETS = [0, 1, 2, 3, 5, 7, 12, 20, 24, 37, 64]

@@ -19,8 +19,7 @@ import pytest
 import ray
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from drafter_service.ssd_drafter import SSDConfig
-from spec_core.config import SamplingParams
+from spec_core.config import SamplingParams, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 

@@ -11,9 +11,8 @@ import grpc
 import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from drafter_service.ssd_drafter import SSDConfig
 from protos.ssd.v1 import ssd_pb2 as pb
-from spec_core.config import SamplingParams
+from spec_core.config import SamplingParams, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 

@@ -56,3 +56,38 @@ def test_real_pair_contract(real_pair):
     assert (draft / "README.md").is_file() and (draft / "token_map.json").is_file()
     assert sum(f.stat().st_size for f in draft.iterdir()) <= 40 * 2**20
     assert str(draft).startswith(str(Path(__file__).resolve().parent.parent / "spec_core"))  # ships in the repo
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (function-level imports included)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_services_never_import_each_other():
+    """The drafter and the verifier meet only through spec_core's types and the codec's messages."""
+    for service, other in (("verifier_service", "drafter_service"), ("drafter_service", "verifier_service")):
+        for path in sorted((ROOT / service).rglob("*.py")):
+            bad = sorted(m for m in _imported_modules(path) if m.split(".")[0] in (other, "cluster"))
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_spec_core_imports_no_service():
+    for path in sorted((ROOT / "spec_core").rglob("*.py")):
+        bad = sorted(m for m in _imported_modules(path)
+                     if m.split(".")[0] in ("verifier_service", "drafter_service", "cluster", "protos"))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_layout_check_catches_a_cross_import(tmp_path):
+    """Negative control: the import scan sees a function-level cross import."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from drafter_service.process import PipeLink\n")
+    assert "drafter_service.process" in _imported_modules(f)

@@ -71,8 +71,8 @@ def test_runner_logits_match_transformers(hf, pair, prompts):
 
 
 def _batch(pair, prompts, mode: str, tmp_path, new: int = NEW, **kw) -> list[list[int]]:
+    from cluster.offline_batch import run_batch
     from spec_core.config import SamplingParams
-    from verifier_service.batch import run_batch
     from verifier_service.batch_requests import BatchSettings
 
     rows = [(f"r{i}", ids, SamplingParams(max_new_tokens=new)) for i, ids in enumerate(prompts)]

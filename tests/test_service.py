@@ -9,10 +9,9 @@ import grpc
 import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from drafter_service.ssd_drafter import SSDConfig
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
-from spec_core.config import SamplingParams
+from spec_core.config import SamplingParams, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.drafter_link import GrpcDrafterLink, HandshakeError
 from verifier_service.server import VerifierServer, VerifierServerConfig

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from drafter_service.ssd_drafter import SSDConfig
-from spec_core.config import SamplingParams
+from spec_core.config import SamplingParams, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 

@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 
-from drafter_service.fanout import FanoutConfig
-from drafter_service.ssd_drafter import SSDConfig
-from spec_core.config import SamplingParams
+from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from spec_core.config import SamplingParams, SSDConfig
 from spec_core.decoding import generate_ar
+from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
-from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_count() < 2,
                                 reason="needs two cores and CPU affinity")
@@ -97,6 +96,7 @@ def test_prefill_and_free_in_one_batch_leaks_nothing(tiny_models):
     """A request cancelled before its first bundle was built (both events in one batch) gets no KV blocks."""
     from drafter_service.process import DrafterLoop
     from drafter_service.ssd_drafter import SSDDrafter
+    from spec_core.config import SSDConfig
     from spec_core.speculation import FreeEvent, PrefillEvent
 
     class Sink:
@@ -120,6 +120,7 @@ def test_drafter_out_of_blocks_degrades_and_leaks_nothing(tiny_models):
     and never raises; every block comes back."""
     from drafter_service.process import DrafterLoop
     from drafter_service.ssd_drafter import SSDDrafter
+    from spec_core.config import SSDConfig
     from spec_core.speculation import FreeEvent, OutcomeEvent, PrefillEvent
 
     class Sink:

@@ -8,10 +8,10 @@ import torch
 from conftest import save_tiny_model
 from scipy.stats import chisquare
 
-from drafter_service.fanout import FanoutConfig
 from drafter_service.loopback import LoopbackLink
-from drafter_service.ssd_drafter import SSDConfig, SSDDrafter
-from spec_core.config import SamplingParams
+from drafter_service.ssd_drafter import SSDDrafter
+from spec_core.config import SamplingParams, SSDConfig
+from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sampling import logits_to_probs
 from spec_core.sequence import Sequence

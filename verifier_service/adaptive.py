@@ -3,7 +3,7 @@
 Cost model: the engine's whole step time (proposing, verifying, tree bookkeeping and rejection, not just the
 forward) is fitted online as T(n) = t0 + t1·n over the tokens n of each step (exponentially weighted least
 squares, so it follows load changes). With b requests in a step, V(K) = T(b·(K+1)) / T(b) is the cost of a step
-with K drafted tokens per request relative to plain decoding, and :func:`drafter_service.policy.best_k`
+with K drafted tokens per request relative to plain decoding, and :func:`spec_core.policy.best_k`
 maximises E(a, K) / (V(K) + K·c) over K in 0..k_max. Because drafting is inside the measured step (an in-process
 SD drafter; SSD's waits and bundle handling), ``c`` is 0 by default; a caller that measures drafting elsewhere may
 set it. Fitting the forward alone ignored per-token costs outside it, which on small models are most of a step,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from drafter_service.policy import best_k
+from spec_core.policy import best_k
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from drafter_service.fanout import FanoutConfig
 from protos import codec
 from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
@@ -25,6 +24,7 @@ from protos.ssd.v1 import ssd_pb2_grpc
 from spec_core import chat
 from spec_core.chat import Prompt
 from spec_core.config import MODES, ModelConfig
+from spec_core.fanout import FanoutConfig
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
@@ -311,7 +311,7 @@ class VerifierServer:
             proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
                                    wait_fraction=c.wait_fraction, backup_policy=c.backup_policy)
         elif c.mode == "sd":
-            from drafter_service.draft_engine import BatchDrafter, DraftConfig
+            from spec_core.draft_engine import BatchDrafter, DraftConfig
 
             proposer = BatchDrafter(self.pair.draft, DraftConfig(k=c.k, num_blocks=c.num_blocks,
                                                                  block_size=c.block_size))

@@ -79,7 +79,7 @@ class SSDProposer:
                  backup_greedy_match: bool = False, backup_policy: str = "auto") -> None:
         """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
         verify), ``fast`` uses the n-gram backup at once, ``auto`` picks per step by batch size from measured
-        timings (the paper's b*, :func:`drafter_service.policy.choose_backup`).
+        timings (the paper's b*, :func:`spec_core.policy.choose_backup`).
         ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
         if backup not in ("ngram", "none"):
             raise ValueError(f"backup must be 'ngram' or 'none', got {backup!r}")
@@ -255,7 +255,7 @@ class SSDProposer:
         """'neural' (wait for a JIT draft on a miss) or 'fast' (n-gram at once) for a step of ``b`` requests."""
         if self.backup_policy != "auto":
             return self.backup_policy
-        from drafter_service.policy import BackupCost, choose_backup
+        from spec_core.policy import BackupCost, choose_backup
 
         s = self.stats
         self._policy_steps += 1

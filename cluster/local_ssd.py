@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.process import DrafterProcessConfig, spawn_drafter
-from drafter_service.ssd_drafter import SSDConfig
+from spec_core.config import SSDConfig
 from spec_core.runner import ModelRunner
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig

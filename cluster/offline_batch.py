@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from drafter_service.draft_engine import BatchDrafter, DraftConfig
 from spec_core import chat
 from spec_core.config import SamplingParams
 from spec_core.detokenizer import IncrementalDetokenizer
+from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
 from verifier_service.batch_requests import BatchSettings
@@ -74,8 +74,8 @@ def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: Bat
     """Run ``requests`` (from :func:`verifier_service.batch_requests.read_requests`); write results in input order; return engine metrics."""
     seqs = make_sequences(pair, requests)
     if settings.mode == "ssd":
-        from drafter_service.ssd_drafter import SSDConfig
-        from verifier_service.local_ssd import LocalSSD, LocalSSDConfig
+        from cluster.local_ssd import LocalSSD, LocalSSDConfig
+        from spec_core.config import SSDConfig
 
         cfg = LocalSSDConfig(settings.draft_path, SSDConfig(k=settings.k, num_blocks=settings.num_blocks,
                                                             block_size=settings.block_size),
