@@ -1,6 +1,6 @@
 """``ssd bench``: modes side by side on the same prompts, interleaved prompt by prompt, with repeats.
 
-Metric definitions are those of :mod:`spec_core.decoding`: decode tokens/s = Σ(generated − 1) ÷ Σ decode time over
+Metric definitions are those of :mod:`spec_core.metrics`: decode tokens/s = Σ(generated − 1) ÷ Σ decode time over
 all runs of a mode (model load, process start and prefill excluded). Per-run tokens/s are also reported as a median
 with min/max, since this machine is noisy.
 """
@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from spec_core.api import GenerationResult, Generator
 from spec_core.config import ModelConfig, SamplingParams
-from spec_core.decoding import DecodeStats
+from spec_core.metrics import DecodeStats
 from spec_core.models import set_threads
 from spec_core.prompts import humaneval_prompts, read_prompt_file
+from verifier_service.api import RUNTIME, GenerationResult, Generator
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
     tps = runs.per_run_tps
     return {
         "mode": mode,
+        "runtime": runtime_of(mode),
         "concurrency": 1,
         "temperature": temp,
         "tokens_per_s": s.tokens_per_s,
@@ -167,6 +168,15 @@ def _summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int
     }
 
 
+def runtime_of(mode: str) -> str:
+    """Which runtime a mode runs on: ours (every AR, SD and SSD mode: the one verifier engine) or a peer's."""
+    if mode.startswith("hf"):
+        return "transformers"
+    if mode in LLAMA_CPP_MODES:
+        return "llama.cpp"
+    return RUNTIME + (" over gRPC" if mode == "ssd-service" else "")
+
+
 def _is_ar(mode: str) -> bool:
     return mode in ("ar", "ar-2t") or mode in LLAMA_CPP_MODES
 
@@ -174,8 +184,8 @@ def _is_ar(mode: str) -> bool:
 def skipped_row(mode: str, temp: float, reason: str) -> dict:
     """A mode that could not run here: every field of a result row (those of :func:`_summarise`), empty, and why."""
     row = dict.fromkeys(_summarise(mode, temp, ModeRuns.empty(), None))
-    return {**row, "mode": mode, "concurrency": 1, "temperature": temp, "num_runs": 0, "num_generated": 0,
-            "skipped": reason}
+    return {**row, "mode": mode, "runtime": runtime_of(mode), "concurrency": 1, "temperature": temp, "num_runs": 0,
+            "num_generated": 0, "skipped": reason}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -453,7 +463,7 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
         if temp == 0 and reference:
             matches = all(r["outputs"][pi] == reference[(pi, 0)] for r in runs for pi in range(len(prompts)))
         rows.append({
-            "mode": mode, "concurrency": c, "temperature": temp,
+            "mode": mode, "runtime": runtime_of(mode), "concurrency": c, "temperature": temp,
             "tokens_per_s": statistics.median(tps), "tokens_per_s_median_run": statistics.median(tps),
             "tokens_per_s_min_run": min(tps), "tokens_per_s_max_run": max(tps),
             "ttft_s_p50": _percentile([x for r in runs for x in r["ttfts"]], 50),

@@ -42,8 +42,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
     before = _ssd_counters(local_ssd) if mode == "ssd" else None
-    rounds0 = engine.metrics.stats.num_rounds
-    drafted0, accepted0 = engine.metrics.stats.num_drafted, engine.metrics.stats.num_accepted
+    before_stats = engine.metrics.stats.copy()
     t0 = time.perf_counter()
     for s in seqs:
         engine.add(s)
@@ -53,16 +52,15 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
             ks.append(engine.adaptive.batch_k)
     wall = time.perf_counter() - t0
     engine.adaptive = None
-    m = engine.metrics.stats
-    rounds, drafted, accepted = m.num_rounds - rounds0, m.num_drafted - drafted0, m.num_accepted - accepted0
+    m = engine.metrics.stats.since(before_stats)
     total = sum(len(s.output_ids) for s in seqs)
     out = {
         "tokens_per_s": total / wall,
         "ttfts": [s.emit_times[0] - t0 for s in seqs if s.emit_times],
         "itls": [b - a for s in seqs for a, b in zip(s.emit_times, s.emit_times[1:])],
         "outputs": [list(s.output_ids) for s in seqs],
-        "mean_tokens_per_round": (accepted / rounds + 1) if rounds and mode != "ar" else (1.0 if mode == "ar" else None),
-        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_tokens_per_round": m.mean_tokens_per_round,
+        "acceptance_rate": m.acceptance_rate,
         "num_generated": total,
         "cache_hit_rate": None,
         "mean_batch_k": sum(ks) / len(ks) if ks else None,

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from spec_core.config import SamplingParams
-from spec_core.decoding import DecodeStats
+from spec_core.metrics import DecodeStats
 
 
 class _Clock(BaseStreamer):
@@ -66,4 +66,5 @@ class HFGenerate:
         stats.prefill_s = first - t0
         stats.decode_s = clock.times[-1] - first
         stats.num_rounds = max(0, len(clock.times) - 2)
+        stats.num_round_tokens = max(0, len(out) - 1)
         return out, stats, stats.prefill_s

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from spec_core.config import SamplingParams
-from spec_core.decoding import DecodeStats
+from spec_core.metrics import DecodeStats
 
 INSTALL_HINT = ("llama-cpp-python is not installed (an optional extra, built from source: "
                 "`CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python`)")
@@ -88,6 +88,6 @@ class LlamaCppAR:
         stats.num_generated = len(out)
         stats.decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
         stats.prefill_s = ttft
-        stats.num_rounds = max(0, len(out) - 1)
+        stats.num_rounds = stats.num_round_tokens = max(0, len(out) - 1)
         stats.verify_s = stats.decode_s
         return out, stats, ttft, times

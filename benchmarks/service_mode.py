@@ -12,9 +12,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from spec_core.api import GenerationResult
 from spec_core.config import SamplingParams
-from spec_core.decoding import DecodeStats
+from spec_core.metrics import DecodeStats, ratio
+from verifier_service.api import GenerationResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class ServiceMode:
                 final = resp.final
         after = self._counters()
         s = final.stats
-        stats = DecodeStats(num_generated=len(tokens), num_rounds=s.num_rounds, num_drafted=s.num_drafted,
+        stats = DecodeStats(num_generated=len(tokens), num_rounds=s.num_rounds,
+                            num_round_tokens=round(s.mean_tokens_per_round * s.num_rounds), num_drafted=s.num_drafted,
                             num_accepted=s.num_accepted, prefill_s=times[0] - t0 if times else 0.0,
                             decode_s=times[-1] - times[0] if len(times) > 1 else 0.0)
         d = self._delta(before, after)
@@ -109,14 +110,15 @@ class ServiceMode:
         wall = time.perf_counter() - t0
         after = self._counters()
         rounds = sum(f.stats.num_rounds for f in finals)
+        round_tokens = sum(round(f.stats.mean_tokens_per_round * f.stats.num_rounds) for f in finals)
         drafted, accepted = sum(f.stats.num_drafted for f in finals), sum(f.stats.num_accepted for f in finals)
         return {
             "tokens_per_s": sum(map(len, outputs)) / wall,
             "ttfts": [t[0] - t0 for t in times if t],
             "itls": [b - a for t in times for a, b in zip(t, t[1:])],
             "outputs": outputs,
-            "mean_tokens_per_round": accepted / rounds + 1 if rounds else None,
-            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_tokens_per_round": ratio(round_tokens, rounds),
+            "acceptance_rate": ratio(accepted, drafted),
             "num_generated": sum(map(len, outputs)),
             "cache_hit_rate": self._delta(before, after)["cache_hit_rate"],
             "mean_batch_k": None,

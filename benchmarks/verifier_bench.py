@@ -52,7 +52,7 @@ def run_one(pair, prompts: list[list[int]], batch: int, shape: str, max_new: int
         "branching": branching,
         "verifier_tokens_per_s": tokens / verifier_step,
         "outside_forward_fraction": 1 - forward / verifier_step,
-        "mean_tokens_per_round": m.stats.num_accepted / m.stats.num_rounds + 1 if m.stats.num_rounds else None,
+        "mean_tokens_per_round": m.stats.mean_tokens_per_round,
         "mean_batch_size": sum(m.batch_sizes) / len(m.batch_sizes),
     }
 

@@ -100,7 +100,7 @@ class LocalSSD:
             os.sched_setaffinity(0, {cfg.verifier_core})
         torch.set_num_threads(1)
         proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction,
-                               backup_policy=cfg.backup_policy)
+                               backup_policy=cfg.backup_policy, device=self.target.device)
         sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.k)
         self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
                                                                verify_delay_s=cfg.verify_delay_s),
@@ -141,7 +141,7 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
     """Run one request through a started :class:`LocalSSD`; returns (sequence, stats dict)."""
     import time
 
-    from spec_core.decoding import DecodeStats
+    from spec_core.metrics import DecodeStats
     from spec_core.sequence import Sequence
 
     engine = local.engine
@@ -152,7 +152,7 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
     t0 = time.perf_counter()
     engine.add(seq)
     engine.run()
-    stats: DecodeStats = engine.req_stats.pop(seq.request_id)
+    stats: DecodeStats = seq.stats
     stats.num_generated = len(seq.output_ids)
     stats.prefill_s = seq.emit_times[0] - t0
     stats.decode_s = seq.emit_times[-1] - seq.emit_times[0]

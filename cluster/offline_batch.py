@@ -57,7 +57,7 @@ def make_sequences(pair: LoadedPair, rows: list[tuple[str, object, SamplingParam
 
 
 def result_json(seq: Sequence, engine: VerifierEngine) -> dict:
-    stats = engine.req_stats[seq.request_id]
+    stats = seq.stats
     return {
         "id": seq.request_id,
         "text": seq.text,
@@ -66,7 +66,7 @@ def result_json(seq: Sequence, engine: VerifierEngine) -> dict:
         "finish_reason": seq.finish_reason,
         "num_prompt_tokens": len(seq.prompt_ids),
         "num_rounds": stats.num_rounds,
-        "mean_tokens_per_round": (stats.num_accepted / stats.num_rounds + 1) if stats.num_rounds else None,
+        "mean_tokens_per_round": stats.mean_tokens_per_round,
     }
 
 

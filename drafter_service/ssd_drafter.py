@@ -39,6 +39,7 @@ from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, Speculation
+from spec_core.transfer import to_device, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -107,21 +108,21 @@ class SSDDrafter:
         Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from)."""
         seq = req.seq
         if seq.params.greedy:
-            return logits.argmax(-1).tolist(), None
+            return to_host(logits.argmax(-1)), None
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
         n, vocab = self.config.proposal_top_n, logits.shape[-1]
         if self.config.ship_raw_q or not 0 < n < vocab:
             q = request_probs(logits[None], [seq.params])[0]
             q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), n)
-            toks = sample_from_probs(q_prime, seq.uniforms(logits.shape[0])).tolist()
+            toks = to_host(sample_from_probs(q_prime, seq.uniforms(logits.shape[0])))
             return toks, q if self.config.ship_raw_q else q_prime
         # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution
         # over the draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
         vals, idx = torch.topk(logits.float(), n, dim=-1)
         small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, self.config.saguaro_c)
         local = sample_from_probs(small, seq.uniforms(logits.shape[0]))
-        toks = idx.gather(-1, local[:, None])[:, 0].tolist()
-        q_prime = torch.zeros(logits.shape[0], vocab).scatter_(-1, idx, small)
+        toks = to_host(idx.gather(-1, local[:, None])[:, 0])
+        q_prime = torch.zeros(logits.shape[0], vocab, device=logits.device).scatter_(-1, idx, small)
         return toks, q_prime
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
@@ -202,13 +203,15 @@ class SSDDrafter:
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S (speculatively)
             roots = []
             r.candidates = {}
-            for j in range(s.k + 1):
-                row = glue_logits[i, j].clone()
-                if j < s.k:
-                    row[s.token_ids[j]] = float("-inf")
-                ranked = torch.topk(row, max(fan[j], min(MAX_RANK, row.numel() - 1))).indices.tolist()
+            rows = glue_logits[i, : s.k + 1].clone()
+            if s.k:  # after a rejection at j the bonus is never S[j] (greedy), so it is not a candidate there
+                drafted = to_device([list(range(s.k)), s.token_ids[: s.k]], rows.device, torch.long)
+                rows[drafted[0], drafted[1]] = float("-inf")
+            width = max(max(fan), min(MAX_RANK, rows.shape[-1] - 1))
+            ranked_rows = to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
+            for j, ranked in enumerate(ranked_rows):
                 r.candidates[j] = ranked[:MAX_RANK]
-                roots.extend((j, int(t)) for t in ranked[: fan[j]])
+                roots.extend((j, t) for t in ranked[: fan[j]])
             branches.append(roots)
         return self._decode_branches(reqs, specs, branches)
 

@@ -23,6 +23,7 @@ from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
+from spec_core.transfer import to_host
 from spec_core.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -92,15 +93,12 @@ class BatchDrafter:
         """
         greedy = [s.params.greedy for s in seqs]
         probs = None if all(greedy) else request_probs(logits, [s.params for s in seqs])
-        tokens: list[list[int]] = []
+        picks = torch.topk(logits[:, 0], width).indices if root else logits[:, :width].argmax(-1)
         for i, seq in enumerate(seqs):
-            if greedy[i]:
-                picks = torch.topk(logits[i, 0], width).indices.tolist() if root else logits[i, :width].argmax(-1).tolist()
-            else:
+            if not greedy[i]:
                 src = probs[i, :1].expand(width, -1) if root else probs[i, :width]
-                picks = sample_from_probs(src, seq.uniforms(width)).tolist()
-            tokens.append(picks)
-        return probs, tokens
+                picks[i] = sample_from_probs(src, seq.uniforms(width))
+        return probs, to_host(picks)  # one download for the whole batch
 
     def _propose_trees(self, seqs: list[Sequence], ks: list[int]) -> list[TokenTree]:
         b = self.config.branching
@@ -127,7 +125,7 @@ class BatchDrafter:
                 slots = self._slots(s)
                 fed = list(range((depth - 1) * b, depth * b))
                 earlier = list(range(0, (depth - 1) * b))
-                extra_mask = torch.tensor([[e % b == f % b for e in earlier] for f in fed], dtype=torch.bool)
+                extra_mask = (torch.arange(len(earlier)) % b)[None, :] == (torch.arange(len(fed)) % b)[:, None]
                 items.append(WorkItem(
                     slots(0, ni), [tokens[i][f] for f in fed], [ni - 1 + depth] * b,
                     [slots(ni + f, ni + f + 1)[0] for f in fed], 0, [-1] * b, list(range(b)),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from spec_core.transfer import to_device
+
 
 def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Up to ``k`` tokens continuing the longest (``max_n`` down to ``min_n``) suffix match; [] if none."""
@@ -22,11 +24,11 @@ def propose_ngram(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> 
     return []
 
 
-def one_hot_rows(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """The proposal distribution of a deterministic speculator: one-hot rows ``[K, V]``."""
-    rows = torch.zeros(len(token_ids), vocab_size)
+def one_hot_rows(token_ids: list[int], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The proposal distribution of a deterministic speculator: one-hot rows ``[K, V]`` on ``device``."""
+    rows = torch.zeros(len(token_ids), vocab_size, device=device)
     if token_ids:
-        rows[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
+        rows.scatter_(-1, to_device(token_ids, device, torch.long)[:, None], 1.0)
     return rows
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_core.runner import ModelRunner, PagedBatch, PagedKVCache
+from spec_core.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -58,40 +59,45 @@ def new_token_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
 
 
 def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = "cpu") -> PagedBatch:
-    """Build the padded tensors for :meth:`ModelRunner.forward_paged`."""
+    """Build the padded tensors for :meth:`ModelRunner.forward_paged`, with one upload.
+
+    The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
+    the bool mask) that crosses to the device in a single copy; the device views it back into fields.
+    """
     bsz = len(items)
     t_max = max(len(it.token_ids) for it in items)
     s_max = max(len(it.prefix_slots) + len(it.extra_slots) + len(it.token_ids) for it in items)
     l_max = max(1, max(len(it.logits_rows) for it in items))
-    input_ids = torch.zeros(bsz, t_max, dtype=torch.long)
-    positions = torch.zeros(bsz, t_max, dtype=torch.long)
-    write_slots = torch.full((bsz, t_max), scratch_slot, dtype=torch.long)
-    kv_slots = torch.full((bsz, s_max), scratch_slot, dtype=torch.long)
-    attn_mask = torch.zeros(bsz, t_max, s_max, dtype=torch.bool)
-    logits_index = torch.zeros(bsz, l_max, dtype=torch.long)
+    widths = (t_max, t_max, t_max, s_max, l_max)  # input_ids, positions, write_slots, kv_slots, logits_index
+    ints = torch.zeros(bsz, sum(widths), dtype=torch.long)
+    input_ids, positions, write_slots, kv_slots, logits_index = ints.split(widths, dim=1)
+    write_slots.fill_(scratch_slot)
+    kv_slots.fill_(scratch_slot)
+    mask = torch.zeros(bsz, t_max, s_max, dtype=torch.bool)
     for b, it in enumerate(items):
         t, p, e = len(it.token_ids), len(it.prefix_slots), len(it.extra_slots)
-        input_ids[b, :t] = torch.tensor(it.token_ids)
-        positions[b, :t] = torch.tensor(it.positions)
-        write_slots[b, :t] = torch.tensor(it.write_slots)
-        kv_slots[b, :p] = torch.tensor(it.prefix_slots, dtype=torch.long)
-        attn_mask[b, :t, :p] = True
+        row = [*it.token_ids, *it.positions, *it.write_slots, *it.prefix_slots, *it.extra_slots, *it.write_slots,
+               *it.logits_rows]
+        vals = torch.as_tensor(row, dtype=torch.long)
+        input_ids[b, :t], positions[b, :t], write_slots[b, :t] = vals[:t], vals[t:2 * t], vals[2 * t:3 * t]
+        kv_slots[b, : p + e + t] = vals[3 * t : 3 * t + p + e + t]
+        logits_index[b, : len(it.logits_rows)] = vals[4 * t + p + e :]
+        mask[b, :t, :p] = True
         if e:
-            kv_slots[b, p : p + e] = torch.tensor(it.extra_slots)
-            attn_mask[b, :t, p : p + e] = it.extra_mask
-        p += e
-        kv_slots[b, p : p + t] = torch.tensor(it.write_slots)
-        attn_mask[b, :t, p : p + t] = new_token_mask(it.num_pending, it.parents)
-        attn_mask[b, t:, 0] = True  # pad queries see one slot, so softmax stays finite; their output is unused
-        if it.logits_rows:
-            logits_index[b, : len(it.logits_rows)] = torch.tensor(it.logits_rows)
+            mask[b, :t, p : p + e] = it.extra_mask
+        mask[b, :t, p + e : p + e + t] = new_token_mask(it.num_pending, it.parents)
+        mask[b, t:, 0] = True  # pad queries see one slot, so softmax stays finite; their output is unused
+    n_int = ints.numel() * 8
+    staged = torch.cat([ints.view(-1).view(torch.uint8), mask.view(-1).view(torch.uint8)])
+    buf = to_device(staged, device)
+    fields = buf[:n_int].view(torch.long).view(bsz, -1).split(widths, dim=1)
     return PagedBatch(
-        input_ids=input_ids.to(device),
-        positions=positions.to(device),
-        write_slots=write_slots.to(device),
-        kv_slots=kv_slots.to(device),
-        attn_mask=attn_mask.to(device),
-        logits_index=logits_index.to(device),
+        input_ids=fields[0],
+        positions=fields[1],
+        write_slots=fields[2].contiguous(),
+        kv_slots=fields[3].contiguous(),
+        attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max),
+        logits_index=fields[4],
     )
 
 
@@ -147,7 +153,7 @@ def forward_items(runner: ModelRunner, cache: PagedKVCache, items: list[WorkItem
         logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device))
         if out is None:
             out = logits.new_zeros(len(items), l_max, logits.shape[-1])
-        out[torch.tensor(g, device=logits.device), : logits.shape[1]] = logits
+        out[to_device(g, logits.device, torch.long), : logits.shape[1]] = logits
     return out
 
 

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core.model_paths import resolve_model
 from spec_core.quant import Int8Weight, matmul, nbytes, quantize_int8
+from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
     ids = json.loads(f.read_text())
     if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
         raise ValueError(f"{f}: the token map must be ascending unique ids in [0, {vocab_size})")
-    return torch.tensor(ids, dtype=torch.long)
+    return to_device(ids, "cpu", torch.long)  # at load; moved with the weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class PagedKVCache:
         """Move K/V between slots (KV reconciliation after a tree verification)."""
         if src == dst:
             return
-        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        s, d = to_device([src, dst], self.k.device, torch.long)
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
@@ -318,13 +319,14 @@ class ModelRunner:
         """Run a packed ragged batch over a paged cache (see :class:`PagedBatch`). Returns fp32 logits."""
         bsz, t = batch.input_ids.shape
         write = batch.write_slots.reshape(-1)
-        kv_slots = batch.kv_slots
+        flat_kv = batch.kv_slots.reshape(-1)
 
         def store(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             heads, dim = k.shape[1], k.shape[3]
             cache.k[li].index_copy_(0, write, k.transpose(1, 2).reshape(bsz * t, heads, dim))
             cache.v[li].index_copy_(0, write, v.transpose(1, 2).reshape(bsz * t, heads, dim))
-            return cache.k[li][kv_slots].transpose(1, 2), cache.v[li][kv_slots].transpose(1, 2)
+            keys = cache.k[li].index_select(0, flat_kv).view(bsz, -1, heads, dim)  # index_select: 3x a gather
+            return keys.transpose(1, 2), cache.v[li].index_select(0, flat_kv).view(bsz, -1, heads, dim).transpose(1, 2)
 
         return self._run(batch.input_ids, batch.positions, store, batch.attn_mask, batch.logits_index)
 

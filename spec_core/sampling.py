@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from spec_core.config import SamplingParams
+from spec_core.transfer import to_device
 
 #: Probabilities below this are treated as zero when normalising a residual.
 _EPS = 1e-12
@@ -22,6 +23,7 @@ def logits_to_probs(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    any_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Turn logits into the sampling distribution.
 
@@ -30,6 +32,7 @@ def logits_to_probs(
         temperature: ``[B]``; 0 means greedy (one-hot argmax).
         top_k: ``[B]`` int; 0 disables.
         top_p: ``[B]`` float in (0, 1]; 1 disables. Keeps the smallest top set whose mass reaches ``top_p``.
+        any_greedy: whether some row has temperature 0, when the caller knows (None: read from ``temperature``).
     Returns:
         probs ``[B, ..., V]``, each row summing to 1.
     """
@@ -39,27 +42,29 @@ def logits_to_probs(
     temp = temperature.to(flat).view(bsz, 1, 1)
     greedy = temp <= 0
     scaled = flat / torch.where(greedy, torch.ones_like(temp), temp)
-    if top_k is not None and bool((top_k > 0).any()):
+    if top_k is not None:  # rows with top_k 0 keep the whole vocabulary
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab).view(bsz, 1, 1)
         kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (k - 1).expand(bsz, flat.shape[1], 1))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if top_p is not None and bool((top_p < 1).any()):
+    if top_p is not None:
         probs = _apply_top_p(probs, top_p.to(probs).view(bsz, 1, 1))
-    if bool(greedy.any()):
+    if greedy.any() if any_greedy is None else any_greedy:
         onehot = torch.zeros_like(probs).scatter_(-1, flat.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy, onehot, probs)
     return probs.reshape(shape)
 
 
 def request_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """:func:`logits_to_probs` with row b's temperature, top-k and top-p taken from ``params[b]``."""
-    return logits_to_probs(
-        logits,
-        torch.tensor([p.temperature for p in params]),
-        torch.tensor([p.top_k for p in params]),
-        torch.tensor([p.top_p for p in params]),
-    )
+    """:func:`logits_to_probs` with row b's temperature, top-k and top-p taken from ``params[b]``.
+
+    The settings cross to the logits' device in one upload, and which filters apply is decided on the host (from
+    ``params``), so no device value is read back.
+    """
+    rows = to_device([[p.temperature, p.top_k, p.top_p] for p in params], logits.device, torch.float32)
+    top_k = rows[:, 1].long() if any(p.top_k > 0 for p in params) else None
+    top_p = rows[:, 2] if any(p.top_p < 1 for p in params) else None
+    return logits_to_probs(logits, rows[:, 0], top_k, top_p, any_greedy=any(p.greedy for p in params))
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from spec_core.config import SamplingParams
 from spec_core.detokenizer import IncrementalDetokenizer, find_stop
+from spec_core.metrics import DecodeStats
 
 
 @dataclass(slots=True)
@@ -37,6 +38,10 @@ class Sequence:
     stopped_text: str | None = None
     #: The target's log-probability of each output token (filled only when ``params.logprobs``).
     output_logprobs: list[float] = field(default_factory=list)
+    #: This request's decoding counters (rounds, acceptance, times), kept by the engine that runs it.
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    #: Draft tokens planned for its next round by the adaptive-K policy (None: the engine's K).
+    planned_k: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -25,6 +25,7 @@ import torch
 
 from spec_core.rejection import PLACEHOLDER, RejectionOutput
 from spec_core.sampling import normalise, sample_from_probs
+from spec_core.transfer import to_device, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +108,13 @@ def greedy_verify_tree(target_logits: torch.Tensor, tree: TokenTree) -> list[int
     return greedy_verify_tree_path(target_logits, tree)[0]
 
 
-def greedy_verify_tree_path(target_logits: torch.Tensor, tree: TokenTree) -> tuple[list[int], list[int]]:
-    """:func:`greedy_verify_tree`, also returning the accepted node indices (root to leaf)."""
-    if target_logits.shape[0] != tree.num_nodes + 1:
-        raise ValueError(f"target_logits must have {tree.num_nodes + 1} rows, got {target_logits.shape[0]}")
-    argmax = target_logits.argmax(-1).tolist()
+def greedy_verify_tree_path(target_logits: torch.Tensor | list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
+    """:func:`greedy_verify_tree`, also returning the accepted node indices (root to leaf). ``target_logits`` may be
+    the rows' argmaxes already on the host (what the engine passes: one download for the whole batch)."""
+    rows = len(target_logits)
+    if rows != tree.num_nodes + 1:
+        raise ValueError(f"target_logits must have {tree.num_nodes + 1} rows, got {rows}")
+    argmax = target_logits if isinstance(target_logits, list) else to_host(target_logits.argmax(-1))
     kids = tree.child_lists()
     out: list[int] = []
     path: list[int] = []
@@ -217,7 +220,7 @@ def stochastic_verify_tree_batch(
     kids = shape.child_lists()
     fan = max(1, max(len(k) for k in kids))
     dev = target_probs.device
-    table = torch.tensor([k + [-1] * (fan - len(k)) for k in kids], dtype=torch.long, device=dev)
+    table = to_device([k + [-1] * (fan - len(k)) for k in kids], dev, torch.long)
     depth = max(shape.depths(), default=0)
     rows = torch.arange(bsz, device=dev)
     out = torch.full((bsz, depth + 1), PLACEHOLDER, dtype=torch.long, device=dev)

@@ -84,8 +84,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.k < 0:
         raise CliError(f"--k must be >= 0, got {args.k}")
     target, draft = _model_configs(args, need_draft=args.mode != "ar")
-    from spec_core.api import Generator  # torch and transformers: only once the flags are known to be good
     from spec_core.models import set_threads
+    from verifier_service.api import Generator  # torch and transformers: only once the flags are known to be good
 
     set_threads(args.threads)
     gen = Generator(target, draft, k=args.k)
@@ -133,8 +133,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
     """One request through local two-process SSD (verifier here on core 0, drafter process on core 1)."""
     from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
-    from spec_core.api import GenerationResult
     from spec_core.config import SSDConfig
+    from verifier_service.api import GenerationResult
 
     if k < 1:
         raise CliError("--mode ssd needs --k >= 1")
@@ -158,10 +158,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
-    from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
     from spec_core.model_paths import check_model_dir, default_pair
     from spec_core.models import set_threads
+    from verifier_service.api import Generator
 
     set_threads(args.threads)
     pair = default_pair()

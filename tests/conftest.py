@@ -106,8 +106,8 @@ def ray_session():
 
 
 def _ar_reference(target_path: str):
-    from spec_core.api import Generator
     from spec_core.config import ModelConfig, SamplingParams
+    from verifier_service.api import Generator
 
     gen = Generator(ModelConfig(target_path), None)
     cache: dict = {}

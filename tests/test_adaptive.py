@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from reference_decoding import generate_ar
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
 from spec_core.config import SamplingParams, SSDConfig
-from spec_core.decoding import generate_ar
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence

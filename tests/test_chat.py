@@ -31,8 +31,8 @@ def tokenizer(real_pair):
 
 @pytest.fixture(scope="module")
 def generator(real_pair):
-    from spec_core.api import Generator
     from spec_core.config import ModelConfig
+    from verifier_service.api import Generator
 
     return Generator(ModelConfig(real_pair["target"]), ModelConfig(real_pair["draft"]), k=4)
 

@@ -99,13 +99,14 @@ def test_bench_quick_schema(tmp_path, toy_pair):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"hardware", "settings", "results"}
-    required = {"mode", "concurrency", "temperature", "tokens_per_s", "ttft_s_p50", "itl_s_p50", "itl_s_p99",
+    required = {"mode", "runtime", "concurrency", "temperature", "tokens_per_s", "ttft_s_p50", "itl_s_p50", "itl_s_p99",
                 "mean_tokens_per_round", "acceptance_rate", "cache_hit_rate", "matches_target_greedy"}
     modes = set()
     for row in report["results"]:
         assert required <= set(row), required - set(row)
         assert row["tokens_per_s"] > 0
         assert row["matches_target_greedy"] is True
+        assert row["runtime"] == "verifier-engine"  # AR and SD at every concurrency: the one engine
         modes.add((row["mode"], row["concurrency"]))
     assert modes == {("ar", 1), ("sd", 1), ("ar", 2), ("sd", 2)}
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_and_hits.png", "tokens_per_s_T0.png"]

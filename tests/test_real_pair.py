@@ -103,8 +103,8 @@ def test_greedy_equals_transformers_generate_full(pair, hf, real_pair, tmp_path)
 
 def test_single_request_paths_equal_transformers(pair, prompts, hf_greedy):
     """The single-request AR and SD loops (``ssd generate``'s path) on one code and one chat prompt."""
-    from spec_core.api import Generator
     from spec_core.config import SamplingParams
+    from verifier_service.api import Generator
 
     gen = Generator.from_pair(pair, k=4)
     for i in (0, N_EACH):

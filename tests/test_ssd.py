@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
+from reference_decoding import generate_ar
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
 from spec_core.config import SamplingParams, SSDConfig
-from spec_core.decoding import generate_ar
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence

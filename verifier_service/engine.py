@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_core.block_manager import BlockManager
-from spec_core.decoding import DecodeStats
+from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs
 from spec_core.sequence import Sequence
+from spec_core.transfer import crossings, to_device, to_host
 from spec_core.tree import (
     TokenTree,
     greedy_match_verify_tree_path,
@@ -57,6 +58,9 @@ class EngineMetrics:
     draft_s: float = 0.0
     tokens_emitted: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    #: host↔device crossings of the verifier's own work (see :meth:`VerifierEngine.step`), total and last step
+    crossings: int = 0
+    last_step_crossings: int = 0
     kv_usage: list[float] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -68,9 +72,10 @@ class EngineMetrics:
             "step_s": self.step_s,
             "outside_forward_fraction": 1 - self.forward_s / self.step_s if self.step_s else None,
             "draft_s": self.draft_s,
+            "crossings_per_step": self.crossings / self.num_steps if self.num_steps else None,
             "mean_batch_size": sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else None,
             "peak_kv_usage": max(self.kv_usage, default=0.0),
-            "mean_tokens_per_round": s.num_accepted / s.num_rounds + 1 if s.num_rounds else None,
+            "mean_tokens_per_round": s.mean_tokens_per_round,
             "acceptance_rate": s.acceptance_rate,
             "acceptance_by_position": s.acceptance_by_position(),
             "num_rounds": s.num_rounds,
@@ -93,9 +98,7 @@ class VerifierEngine:
         self.k = k if drafter is not None else 0
         #: Optional :class:`verifier_service.adaptive.AdaptiveK`: K per request and step from measured costs.
         self.adaptive = None
-        self._planned_k: dict[str, int] = {}
         self.metrics = EngineMetrics()
-        self.req_stats: dict[str, DecodeStats] = {}
 
     # ---- request lifecycle ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -103,7 +106,7 @@ class VerifierEngine:
         if seq.num_tokens >= limit:
             raise ValueError(f"request {seq.request_id}: {seq.num_tokens} tokens; the context limit is {limit}")
         seq.max_len = min(seq.max_len, limit)
-        self.req_stats[seq.request_id] = DecodeStats()
+        seq.stats = DecodeStats()
         self.scheduler.add(seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -120,16 +123,16 @@ class VerifierEngine:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
-        k = self._planned_k.get(seq.request_id, self.k)
+        k = self.k if seq.planned_k is None else seq.planned_k
         return max(0, min(k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
 
     def _plan_k(self, seqs: list[Sequence]) -> None:
         if self.adaptive is None:
             return
-        stats = self.req_stats
-        self._planned_k = self.adaptive.plan({
-            s.request_id: (stats[s.request_id].num_accepted, stats[s.request_id].num_drafted,
-                           stats[s.request_id].num_rounds) for s in seqs})
+        plan = self.adaptive.plan({s.request_id: (s.stats.num_accepted, s.stats.num_drafted, s.stats.num_rounds)
+                                   for s in seqs})
+        for s in seqs:
+            s.planned_k = plan[s.request_id]
 
     def _item(self, work: ScheduledSeq, tree: TokenTree | None) -> WorkItem:
         seq, c = work.seq, work.seq.num_computed
@@ -150,76 +153,101 @@ class VerifierEngine:
             logits_rows=[len(tokens) - 1 + i for i in range(tree.num_nodes + 1)],
         )
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, tree: TokenTree) -> tuple[list[int], list[int]]:
-        """``logits [N+1, V]`` → (emitted tokens: accepted path + one, accepted node indices)."""
+    def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list[int], tree: TokenTree
+                ) -> tuple[list[int], list[int]]:
+        """``logits [N+1, V]`` (``argmax``: its row argmaxes, on the host) → (emitted tokens: accepted path + one,
+        accepted node indices). Greedy requests need only the host argmaxes."""
         if seq.params.greedy:
-            return greedy_verify_tree_path(logits, tree)
+            return greedy_verify_tree_path(argmax, tree)
         probs = request_probs(logits[None], [seq.params])[0]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
         return stochastic_verify_tree_path(probs, tree, seq.uniforms(tree.num_nodes + 1))
 
+    def _propose(self, work: list[ScheduledSeq]) -> dict[str, TokenTree]:
+        """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve."""
+        seqs = [w.seq for w in work if w.speculate]
+        if self.drafter is None or not seqs:
+            return {}
+        self._plan_k(seqs)
+        t_d = time.perf_counter()
+        trees = dict(zip((s.request_id for s in seqs), self.drafter.propose(seqs, [self._k_for(s) for s in seqs])))
+        draft_s = time.perf_counter() - t_d
+        self.metrics.draft_s += draft_s
+        for seq in seqs:  # a batched proposal's time counts for every request in it
+            seq.stats.draft_s += draft_s
+        return trees
+
     def step(self) -> list[Sequence]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it.
+
+        Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
+        batch, per length group) and one download (every row's argmax), plus one upload for tree K/V moves and
+        whatever sampled requests' verification needs.
+        """
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
             return []
-        spec_work = [w for w in work if w.speculate]
-        trees: dict[str, TokenTree] = {}
-        if self.drafter is not None and spec_work:
-            seqs = [w.seq for w in spec_work]
-            self._plan_k(seqs)
-            t_d = time.perf_counter()
-            for seq, tree in zip(seqs, self.drafter.propose(seqs, [self._k_for(s) for s in seqs])):
-                trees[seq.request_id] = tree
-            self.metrics.draft_s += time.perf_counter() - t_d
+        c0 = crossings().total
+        trees = self._propose(work)
+        c_propose = crossings().total - c0
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
-        items = [self._item(w, trees.get(w.seq.request_id, empty) if w.speculate else None) for w in work]
+        chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
+        items = [self._item(w, tree) for w, tree in zip(work, chosen)]
         t_f = time.perf_counter()
         logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
+        argmax = to_host(logits.argmax(-1))
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)
         forward_s = time.perf_counter() - t_f
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s)
-        finished = []
-        for b, w in enumerate(work):
-            if not w.speculate:
+        finished, moves = [], ([], [])
+        for b, (w, tree) in enumerate(zip(work, chosen)):
+            w.seq.stats.verify_s += forward_s
+            if tree is None:
                 w.seq.num_computed += w.num_pending
                 continue
-            tree = trees.get(w.seq.request_id, empty)
-            self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1])
+            self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1], argmax[b][: tree.num_nodes + 1], moves)
             if w.seq.finished:
-                self._finish(w.seq)
                 finished.append(w.seq)
+        self.cache.copy_slots(*moves)  # before any block is handed out again (next step's schedule)
+        for seq in finished:
+            self._finish(seq)
+        self._account(work, items, t_step, crossings().total - c0 - c_propose)
+        return finished
+
+    def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int) -> None:
         m = self.metrics
         m.num_steps += 1
         m.batch_sizes.append(len(work))
         m.kv_usage.append(self.blocks.usage)
+        m.crossings += crossed
+        m.last_step_crossings = crossed
         step_s = time.perf_counter() - t_step
         m.step_s += step_s
         if self.adaptive is not None:  # the whole step: drafting, tree handling and rejection cost what K costs
             self.adaptive.cost.observe(sum(len(it.token_ids) for it in items), step_s)
-        return finished
 
-    def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor) -> None:
-        """Verify, reconcile the target's K/V with the accepted path, append, and tell the drafter."""
-        emitted, path = self._verify(seq, logits, tree)
+    def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor, argmax: list[int],
+               moves: tuple[list[int], list[int]]) -> None:
+        """Verify, queue the K/V moves that put the accepted path in place, append, and tell the drafter."""
+        emitted, path = self._verify(seq, logits, argmax, tree)
         n = seq.num_tokens
         src, dst = reconcile_tree_slots(lambda a, b: self.blocks.slots(seq.request_id, a, b), n, path)
-        self.cache.copy_slots(src, dst)
+        moves[0].extend(src)
+        moves[1].extend(dst)
         seq.num_computed = n + len(path)
         self.blocks.commit(seq.request_id, seq.num_computed)
         depth = max(tree.depths(), default=0)
-        stats = self.req_stats[seq.request_id]
         after_prefill = bool(seq.output_ids)  # the prefill forward's token is not a decode round
         taken = seq.append(emitted, _emitted_logprobs(logits, path, emitted) if seq.params.logprobs else None)
         if after_prefill:
-            stats.record_round(depth, len(path))
-            self.metrics.stats.record_round(depth, len(path))
-        stats.num_generated = len(seq.output_ids)
+            seq.stats.record_round(depth, len(path), len(taken))
+            self.metrics.stats.record_round(depth, len(path), len(taken))
+        seq.stats.num_generated = len(seq.output_ids)
         self.metrics.tokens_emitted += len(taken)
         if self.drafter is not None:
             self.drafter.commit(seq, n, tree, path, self._k_for(seq))
@@ -236,5 +264,6 @@ def _emitted_logprobs(logits: torch.Tensor, path: list[int], emitted: list[int])
     """The target's log-probability of each emitted token: token j is predicted by the row of its parent
     (row 0 is the root, row i + 1 is tree node i)."""
     rows = [0] + [i + 1 for i in path]
-    logp = torch.log_softmax(logits[rows[: len(emitted)]].float(), dim=-1)
-    return logp[torch.arange(len(emitted)), torch.tensor(emitted)].tolist()
+    picks = to_device([rows[: len(emitted)], emitted], logits.device, torch.long)
+    logp = torch.log_softmax(logits[picks[0]].float(), dim=-1)
+    return to_host(logp.gather(-1, picks[1][:, None])[:, 0])

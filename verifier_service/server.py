@@ -89,7 +89,7 @@ def _stats_pb(finished: Finished) -> pb.RequestStats:
                           tokens_per_s=(len(seq.output_ids) - 1) / decode_s if decode_s > 0 else 0.0)
     if s is not None and s.num_rounds:
         out.num_rounds = s.num_rounds
-        out.mean_tokens_per_round = (len(seq.output_ids) - 1) / s.num_rounds
+        out.mean_tokens_per_round = s.mean_tokens_per_round
         out.acceptance_rate = s.acceptance_rate or 0.0
         out.num_drafted, out.num_accepted = s.num_drafted, s.num_accepted
         out.acceptance_by_position.extend(s.acceptance_by_position())
@@ -309,7 +309,8 @@ class VerifierServer:
             self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size,
                                         tls=c.internal_tls)
             proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
-                                   wait_fraction=c.wait_fraction, backup_policy=c.backup_policy)
+                                   wait_fraction=c.wait_fraction, backup_policy=c.backup_policy,
+                                   device=self.pair.target.device)
         elif c.mode == "sd":
             from spec_core.draft_engine import BatchDrafter, DraftConfig
 
@@ -414,7 +415,7 @@ class VerifierServer:
         out.update(running=len(eng.scheduler.running), queued=len(eng.scheduler.waiting),
                    kv_usage=eng.blocks.usage, tokens_emitted=eng.metrics.tokens_emitted, rounds=m.num_rounds,
                    acceptance_rate=m.acceptance_rate,
-                   mean_tokens_per_round=(m.num_accepted / m.num_rounds + 1) if m.num_rounds else None,
+                   mean_tokens_per_round=m.mean_tokens_per_round,
                    acceptance_by_position=m.acceptance_by_position(), admitted=loop.num_admitted,
                    engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s,
                    batch_k=eng.adaptive.batch_k if eng.adaptive is not None else c_k(self.config))

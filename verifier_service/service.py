@@ -185,7 +185,6 @@ class EngineLoop:
         for h in cancels:
             if self.active.get(h.seq.request_id) is h and not h.done:
                 self.engine.cancel(h.seq)
-                self.engine.req_stats.pop(h.seq.request_id, None)
                 h.done = True
                 del self.active[h.seq.request_id]
 
@@ -199,7 +198,7 @@ class EngineLoop:
                              seq.output_logprobs[h.sent_tokens:n] if seq.params.logprobs else []))
                 h.sent_tokens, h.sent_chars = n, len(text)
             if seq.finished:
-                stats = self.engine.req_stats.pop(seq.request_id, None)
+                stats = seq.stats
                 ttft = (seq.emit_times[0] - h.submitted_at) if seq.emit_times else 0.0
                 if self.metrics is not None:
                     self.metrics.observe_request(seq.emit_times, h.submitted_at, seq.finish_reason)
@@ -225,5 +224,4 @@ class EngineLoop:
         for h in list(self.active.values()):
             if not h.seq.finished:
                 self.engine.cancel(h.seq)
-            self.engine.req_stats.pop(h.seq.request_id, None)
             self._end(h, Failed(message))

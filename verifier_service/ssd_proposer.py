@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from spec_core.ngram import backup_tokens, one_hot_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
@@ -24,6 +26,7 @@ from spec_core.speculation import (
     Speculation,
     SpeculationMsg,
 )
+from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
 
 logger = logging.getLogger(__name__)
@@ -76,10 +79,12 @@ class SSDProposer:
     """Implements the engine's proposer interface (``propose``, ``commit``, ``release``) over a drafter link."""
 
     def __init__(self, link, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
-                 backup_greedy_match: bool = False, backup_policy: str = "auto") -> None:
+                 backup_greedy_match: bool = False, backup_policy: str = "auto",
+                 device: torch.device | str = "cpu") -> None:
         """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
         verify), ``fast`` uses the n-gram backup at once, ``auto`` picks per step by batch size from measured
-        timings (the paper's b*, :func:`spec_core.policy.choose_backup`).
+        timings (the paper's b*, :func:`spec_core.policy.choose_backup`). ``device``: the target's, where the q rows
+        of sampled speculations (decoded on the host by the codec) are moved, one upload per speculation.
         ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
         if backup not in ("ngram", "none"):
             raise ValueError(f"backup must be 'ngram' or 'none', got {backup!r}")
@@ -97,6 +102,7 @@ class SSDProposer:
         #: drafter; :meth:`replace_link` runs on the engine's thread).
         self.pending_link = None
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.backup = backup
         self.wait_fraction = wait_fraction
         self.backup_greedy_match = backup_greedy_match
@@ -196,7 +202,7 @@ class SSDProposer:
             self.stats.hits += int(st.used_hit)
         if spec is not None and k > 0:
             tokens = spec.token_ids[:k]
-            probs = spec.draft_probs[:k] if spec.draft_probs is not None else None
+            probs = to_device(spec.draft_probs[:k], self.device) if spec.draft_probs is not None else None
             st.verified = list(tokens)
             return TokenTree.chain(tokens, probs)
         tokens = backup_tokens(seq.token_ids, k, self.backup) if k > 0 and st.round > 0 else []
@@ -208,7 +214,7 @@ class SSDProposer:
         self.stats.backup += 1
         if self.backup_greedy_match and not seq.params.greedy:
             return TokenTree(list(range(-1, len(tokens) - 1)), tokens, None, greedy_match=True)
-        return TokenTree.chain(tokens, None if seq.params.greedy else one_hot_rows(tokens, self.vocab_size))
+        return TokenTree.chain(tokens, None if seq.params.greedy else one_hot_rows(tokens, self.vocab_size, self.device))
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int) -> None:
         """Tell the drafter the outcome of this round right away (it starts the next bundle on it)."""

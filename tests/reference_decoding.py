@@ -1,76 +1,22 @@
-"""Single-request baselines on the compact runner: autoregressive (AR) and synchronous speculative decoding (SD).
+"""Test references: single-request AR and SD on the runner's contiguous cache, independent of the paged engine.
 
-Timing definitions (shared by every benchmark):
-  * prefill time: prompt forward(s) up to and including the first generated token;
-  * decode time: from the first token to the last; decode tokens/s = (generated − 1) / decode time;
-  * a *round* is one target forward after prefill; mean tokens per round = generated tokens after the first ÷ rounds;
-  * verify time: the target runner's forward call alone.
+The product runs every mode through :class:`verifier_service.engine.VerifierEngine`; these loops stay only so the
+tests can check the engine against a second, simpler implementation (and :func:`spec_core.rejection.verify`).
+
+Timing and round definitions: :mod:`spec_core.metrics`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from spec_core.metrics import DecodeStats
 from spec_core.rejection import verify
 from spec_core.runner import KVCache, ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
-
-
-@dataclass(slots=True)
-class DecodeStats:
-    """Counters for one request (or summed over many)."""
-
-    num_generated: int = 0
-    num_rounds: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)
-    drafted_by_position: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    verify_s: float = 0.0
-    draft_s: float = 0.0
-
-    @property
-    def mean_tokens_per_round(self) -> float | None:
-        return (self.num_generated - 1) / self.num_rounds if self.num_rounds else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted / self.num_drafted if self.num_drafted else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return (self.num_generated - 1) / self.decode_s if self.decode_s > 0 else None
-
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
-
-    def record_round(self, num_draft: int, num_accepted: int) -> None:
-        self.num_rounds += 1
-        self.num_drafted += num_draft
-        self.num_accepted += num_accepted
-        while len(self.drafted_by_position) < num_draft:
-            self.drafted_by_position.append(0)
-            self.accepted_by_position.append(0)
-        for j in range(num_draft):
-            self.drafted_by_position[j] += 1
-            self.accepted_by_position[j] += int(j < num_accepted)
-
-    def merge(self, other: DecodeStats) -> None:
-        for name in ("num_generated", "num_rounds", "num_drafted", "num_accepted", "prefill_s", "decode_s",
-                     "verify_s", "draft_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for j, (a, d) in enumerate(zip(other.accepted_by_position, other.drafted_by_position)):
-            if j >= len(self.drafted_by_position):
-                self.drafted_by_position.append(0)
-                self.accepted_by_position.append(0)
-            self.accepted_by_position[j] += a
-            self.drafted_by_position[j] += d
 
 
 def probs_for(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
@@ -115,8 +61,7 @@ def generate_ar(target: ModelRunner, seq: Sequence) -> DecodeStats:
         tv = time.perf_counter()
         logits = target.forward(cache, torch.tensor([[seq.token_ids[-1]]]), torch.tensor([[pos]]))
         stats.verify_s += time.perf_counter() - tv
-        stats.num_rounds += 1
-        seq.append([sample_next(seq, logits)])
+        stats.record_round(0, 0, len(seq.append([sample_next(seq, logits)])))
     stats.decode_s = t.elapsed()
     stats.num_generated = len(seq.output_ids)
     return stats
@@ -195,8 +140,7 @@ def generate_sd(target: ModelRunner, draft: ModelRunner, seq: Sequence, k: int) 
             seq.uniforms(1) if not seq.params.greedy else torch.zeros(1),
         )
         num_acc = int(out.num_accepted[0])
-        stats.record_round(k_round, num_acc)
-        seq.append(out.parse()[0])
+        stats.record_round(k_round, num_acc, len(seq.append(out.parse()[0])))
         dstate.rollback(n + num_acc)
     stats.decode_s = t.elapsed()
     stats.num_generated = len(seq.output_ids)
