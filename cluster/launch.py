@@ -1,7 +1,7 @@
 """Place a drafter–verifier pair with Ray and start their gRPC servers (what ``ssd serve`` and the Serve app use).
 
-Order: create one placement group with one bundle per actor ({"GPU": 1, "CPU": 1} each when the cluster has at
-least two GPUs, else {"CPU": 1} each) and wait for it with a timeout (an infeasible group, e.g. STRICT_SPREAD on
+Order: create one placement group with one bundle per actor ({"GPU": f, "CPU": 1} each when the cluster has the
+GPUs, with f = ``gpu_fraction``: 1 for a GPU each, 0.5 for both on one GPU; else {"CPU": 1} each) and wait for it with a timeout (an infeasible group, e.g. STRICT_SPREAD on
 one node, stays PENDING forever); start the drafter (a named actor) and the verifier, which looks the drafter up
 by name, connects and handshakes; health-check both servers; only then report the public address.
 """
@@ -50,7 +50,11 @@ class PairConfig:
     metrics_port: int | None = None  # Prometheus endpoint on the verifier's node (None: off)
     adaptive_k: bool = True
     backup_policy: str = "auto"
-    use_gpu: bool | None = None  # None: GPUs if the cluster has at least two
+    use_gpu: bool | None = None  # None: GPUs if the cluster has enough for both actors (2 × gpu_fraction)
+    #: Each actor's share of a GPU: 1.0 = a GPU each; 0.5 = both actors on one GPU (fractional bundles).
+    gpu_fraction: float = 1.0
+    #: Both actors' device: "auto" (the actor's GPU if Ray gave it one, else cpu), "cpu", "cuda", "cuda:N".
+    device: str = "auto"
     strategy: str = "PACK"
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
     placement_timeout_s: float = 60.0
@@ -59,14 +63,14 @@ class PairConfig:
 
     def verifier_config(self) -> VerifierServerConfig:
         return VerifierServerConfig(self.target_path, mode="ssd", k=self.k, budget=self.budget,
-                                    saguaro_c=self.saguaro_c, dtype=self.dtype, device="auto", host=self.host,
+                                    saguaro_c=self.saguaro_c, dtype=self.dtype, device=self.device, host=self.host,
                                     port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
                                     metrics_port=self.metrics_port, adaptive_k=self.adaptive_k,
                                     backup_policy=self.backup_policy, **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)
-        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device="auto", host="node-ip")
+        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device=self.device, host="node-ip")
 
 
 @dataclass(slots=True)
@@ -109,8 +113,11 @@ def release(pg, actors, timeout_s: float = 15.0) -> None:
         logger.warning("placement group removal did not finish within %.0f s", timeout_s)
 
 
-def bundles_for(use_gpu: bool) -> list[dict[str, float]]:
-    one = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+def bundles_for(use_gpu: bool, gpu_fraction: float = 1.0) -> list[dict[str, float]]:
+    """One bundle per actor: a CPU each, and ``gpu_fraction`` of a GPU each when ``use_gpu``."""
+    if not 0 < gpu_fraction <= 1:
+        raise ValueError(f"gpu_fraction must be in (0, 1], got {gpu_fraction}")
+    one = {"GPU": gpu_fraction, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
     return [dict(one), dict(one)]
 
 
@@ -127,26 +134,28 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     drafter and verifier take bundles 1 and 2 of it; otherwise a new two-bundle group is created and awaited."""
     own = placement_group is None
     if own:
-        use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) >= 2
-        bundles = bundles_for(use_gpu)
+        enough = ray.cluster_resources().get("GPU", 0) >= 2 * cfg.gpu_fraction
+        use_gpu = cfg.use_gpu if cfg.use_gpu is not None else enough
+        bundles = bundles_for(use_gpu, cfg.gpu_fraction)
         pg = _new_group(bundles, cfg)
         first = 0
     else:
         pg, first = placement_group, 1
         bundles = pg.bundle_specs[1:3]
-        use_gpu = bundles[0].get("GPU", 0) >= 1
+        use_gpu = bundles[0].get("GPU", 0) > 0
     cpus = [b.get("CPU", 0.0) for b in bundles]
+    gpus = [b.get("GPU", 0.0) for b in bundles]
     pin = cfg.pin_cores and not use_gpu
     # The drafter is restarted by Ray if it dies (the verifier serves from its backup meanwhile, then reconnects).
     name, namespace = f"ssd-drafter-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
-        num_cpus=cpus[0], num_gpus=1 if use_gpu else 0, max_restarts=-1, name=name, namespace=namespace,
+        num_cpus=cpus[0], num_gpus=gpus[0], max_restarts=-1, name=name, namespace=namespace,
     ).remote(cfg.drafter_config(), 1 if pin else None)
     # The verifier too: it comes back on the same public port (clients see UNAVAILABLE meanwhile and retry).
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
-        num_cpus=cpus[1], num_gpus=1 if use_gpu else 0, max_restarts=-1,
+        num_cpus=cpus[1], num_gpus=gpus[1], max_restarts=-1,
     ).remote(cfg.verifier_config(), 0 if pin else None, name, connect_timeout_s=cfg.start_timeout_s,
               namespace=namespace)
     if not own:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.process import DrafterProcessConfig, spawn_drafter
+from protos import codec
 from spec_core.config import SSDConfig
 from spec_core.runner import ModelRunner
 from verifier_service.engine import EngineConfig, VerifierEngine
@@ -43,8 +44,9 @@ class LocalSSDConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs (down to 0); off: always ``ssd.k``.
     adaptive_k: bool = False
-    #: the drafter process's dtype; ``None``: the target's
+    #: the drafter process's dtype and device; ``None``: the target's
     draft_dtype: str | None = None
+    draft_device: str | None = None
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
 
@@ -68,13 +70,15 @@ class LocalSSD:
         self._watcher: threading.Thread | None = None
 
     def _spawn(self) -> None:
-        cfg = self.config
+        cfg, ssd = self.config, self.config.ssd
+        hello = codec.make_hello("", self.target.vocab_size, ssd.k, ssd.fanout.budget,
+                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind), cfg.backup, cfg.wait_fraction)
         self.proc, self.link, self.drafter_info = spawn_drafter(
-            DrafterProcessConfig(cfg.draft_path, cfg.ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
-                                 backup=cfg.backup, wait_fraction=cfg.wait_fraction,
-                                 dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."))
+            DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
+                                 dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."),
+                                 device=cfg.draft_device or str(self.target.device)),
+            hello,
         )
-        self.link.vocab_size = self.target.vocab_size
 
     def _watch(self) -> None:
         """Restart a dead drafter process; the proposer switches to the new link at its next step."""
@@ -124,10 +128,7 @@ class LocalSSD:
         if self._watcher is not None:
             self._watcher.join(timeout=30)
         if self.link is not None:
-            try:
-                self.link.send("stop")
-            except (BrokenPipeError, OSError):
-                pass
+            self.link.close(timeout_s=1.0)  # the drafter reads EOF and exits
         if self.proc is not None:
             self.proc.join(timeout=5)
             if self.proc.is_alive():

@@ -1,8 +1,8 @@
 """Ray Serve application: each replica owns one drafter–verifier pair on its own placement-group bundles.
 
 Import path: ``cluster.serve_app:app`` (defaults: the shipped pair), or the builder ``cluster.serve_app:build_app``
-with args (``target``, ``draft``, ``k``, ``use_gpu``, ``num_replicas``, ``pair_cpus``, ``replica_cpus``). Importing this module has
-no side effects (no Ray start, no model load).
+with args (``target``, ``draft``, ``k``, ``use_gpu``, ``gpu_fraction``, ``num_replicas``, ``pair_cpus``,
+``replica_cpus``). Importing this module has no side effects (no Ray start, no model load).
 
 Per replica, Serve reserves three bundles atomically: the replica itself (bundle 0, light) and one GPU (or CPU
 share) each for the drafter (bundle 1) and the verifier (bundle 2). The replica starts the pair with
@@ -119,9 +119,10 @@ class SSDServer:
             dep.shutdown(grace_s=10.0, remove_group=False)
 
 
-def pair_bundles(use_gpu: bool, pair_cpus: float = 1.0, replica_cpus: float = 0.5) -> list[dict[str, float]]:
-    """Bundle 0: the replica; bundles 1 and 2: drafter and verifier."""
-    device = {"GPU": 1.0, "CPU": pair_cpus} if use_gpu else {"CPU": pair_cpus}
+def pair_bundles(use_gpu: bool, pair_cpus: float = 1.0, replica_cpus: float = 0.5,
+                 gpu_fraction: float = 1.0) -> list[dict[str, float]]:
+    """Bundle 0: the replica; bundles 1 and 2: drafter and verifier (``gpu_fraction`` of a GPU each)."""
+    device = {"GPU": gpu_fraction, "CPU": pair_cpus} if use_gpu else {"CPU": pair_cpus}
     return [{"CPU": replica_cpus}, dict(device), dict(device)]
 
 
@@ -133,10 +134,11 @@ def build_app(args: dict):
     use_gpu = flag(args.get("use_gpu", True))
     cpus = float(args.get("pair_cpus", 1.0))
     replica_cpus = float(args.get("replica_cpus", 0.5))
+    gpu_fraction = float(args.get("gpu_fraction", 1.0))  # 0.5: both actors of a replica share one GPU
     return SSDServer.options(
         num_replicas=int(args.get("num_replicas", 1)),
         ray_actor_options={"num_cpus": replica_cpus},
-        placement_group_bundles=pair_bundles(use_gpu, cpus, replica_cpus),
+        placement_group_bundles=pair_bundles(use_gpu, cpus, replica_cpus, gpu_fraction),
         placement_group_strategy=args.get("strategy", "PACK"),
     ).bind(target=args.get("target"), draft=args.get("draft"), k=int(args.get("k", 2)), use_gpu=use_gpu,
            model_name=args.get("model_name", "ssd-default"), dtype=str(args.get("dtype", "auto")))

@@ -36,8 +36,13 @@ class LoopbackLink:
         self.loop = DrafterLoop(drafter, _DrafterEnd(self.to_verifier), backup=backup,
                                 wait_fraction=float("inf") if jit else 0.0)
 
+    alive = True  # the drafter runs in this process, on this thread
+
     def send(self, msg: object) -> None:
         self.to_drafter.append(msg)
+
+    def close(self) -> None:
+        self.to_drafter.clear()
 
     def flush(self) -> None:
         if self.to_drafter:

@@ -1,7 +1,7 @@
 """The drafter as its own OS process (local two-process SSD), pinned to its own core, talking over a pipe.
 
-:class:`PipeLink` is the transport interface (``send``, ``poll``, ``recv``, ``alive``) that the gRPC transport
-also implements. The drafter loop blocks only on the link: it drains every event that has arrived, applies outcomes,
+:class:`PipeLink` implements the drafter link (:class:`spec_core.speculation.DrafterLink`), as the gRPC transport
+does, and carries the same codec messages. The drafter loop blocks only on the link: it drains every event that has arrived, applies outcomes,
 answers misses just in time, then builds the next branch bundles for all requests in one batch.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import threading
 import time
@@ -19,12 +18,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from drafter_service.ssd_drafter import DraftRequest, SSDDrafter
+from protos import codec
+from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core.config import SSDConfig
 from spec_core.ngram import backup_tokens
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
-    BranchBundle,
     FreeEvent,
     OutcomeEvent,
     PrefillEvent,
@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 class PipeLink:
-    """One end of a ``multiprocessing`` pipe carrying the typed messages of :mod:`spec_core.speculation`.
+    """One end of a ``multiprocessing`` pipe carrying ``ssd.v1`` protobuf messages through the codec, as gRPC does.
 
-    Speculations (bundles, JIT drafts) travel as ``ssd.v1`` protobuf bytes through the same codec as gRPC, so
-    sampled probability rows go sparse (a few KB instead of MBs of pickled dense rows); events travel pickled.
-    ``vocab_size`` must be set on the receiving (verifier) end.
+    The verifier's end (``role="verifier"``) sends ``DrafterEvent``s (the hello first, then prefills, outcomes and
+    frees) and receives ``DrafterMessage``s (the ack first, then bundles and just-in-time drafts); the drafter's
+    end the reverse. ``vocab_size`` must be set on the verifier's end (it decodes probability rows). Closing an
+    end is the stop signal: the other end reads EOF.
 
     ``send`` never blocks: messages are encoded by the caller and written by this end's writer thread, in order.
     Both loops send and receive; with blocking writes, each side could fill the other's pipe buffer while it is
@@ -48,11 +49,15 @@ class PipeLink:
     carry probability rows).
     """
 
-    def __init__(self, conn, vocab_size: int | None = None, proc: mp.Process | None = None) -> None:
+    def __init__(self, conn, vocab_size: int | None = None, proc: mp.Process | None = None,
+                 role: str = "verifier") -> None:
         """``proc``: the process at the other end, if this end spawned it (then :attr:`alive` watches it)."""
+        if role not in ("verifier", "drafter"):
+            raise ValueError(f"role must be verifier or drafter, got {role!r}")
         self.conn = conn
         self.vocab_size = vocab_size
         self.proc = proc
+        self.role = role
         self.bytes_sent = 0
         self._closed = False  # the other end is gone (EOF or a broken pipe seen)
         self._pending: bytes | None = None
@@ -67,15 +72,14 @@ class PipeLink:
             except OSError:  # the other end is gone (shutdown or crash); the reader side reports it
                 return
 
-    def send(self, msg: object) -> None:
-        if isinstance(msg, (BranchBundle, SpeculationMsg)):
-            from protos.codec import message_to_pb
+    def send_pb(self, m) -> None:
+        """Send one protobuf message (a ``DrafterEvent`` from the verifier, a ``DrafterMessage`` from the drafter)."""
+        data = m.SerializeToString()
+        self.bytes_sent += len(data)
+        self._outbox.put(data)
 
-            data = message_to_pb(msg).SerializeToString()
-            self.bytes_sent += len(data)
-            self._outbox.put(b"P" + data)
-        else:
-            self._outbox.put(b"O" + pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    def send(self, msg: object) -> None:
+        self.send_pb(codec.event_to_pb(msg) if self.role == "verifier" else codec.message_to_pb(msg))
 
     @property
     def alive(self) -> bool:
@@ -97,21 +101,25 @@ class PipeLink:
             self._closed = True
             return False
 
-    def recv(self) -> object:
-        """The next message (blocking); ``EOFError`` once the other end has gone."""
+    def recv_pb(self):
+        """The next protobuf message (blocking); ``EOFError`` once the other end has gone."""
         if self._pending is None and not self.poll(None):
             raise EOFError("the other end of the pipe has gone")
         data, self._pending = self._pending, None
-        if data[:1] == b"P":
-            from protos.codec import message_from_pb
-            from protos.ssd.v1 import ssd_pb2
+        return (pb.DrafterMessage if self.role == "verifier" else pb.DrafterEvent).FromString(data)
 
-            # A bundle keeps the drafter's completion time (same machine, same monotonic clock).
-            return message_from_pb(ssd_pb2.DrafterMessage.FromString(data[1:]), self.vocab_size)
-        return pickle.loads(data[1:])
+    def recv(self) -> object:
+        """The next typed message (bundles keep the drafter's completion time: same machine, same clock)."""
+        m = self.recv_pb()
+        if self.role == "verifier":
+            return codec.message_from_pb(m, self.vocab_size)
+        return codec.event_from_pb(m)
+
+    def flush(self) -> None:
+        """Sends are written by the writer thread as they come: nothing to flush."""
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write what is queued (up to ``timeout_s``), then close."""
+        """Write what is queued (up to ``timeout_s``), then close (the other end reads EOF)."""
         self._outbox.put(None)
         self._writer.join(timeout_s)
         self.conn.close()
@@ -123,10 +131,9 @@ class DrafterProcessConfig:
     ssd: SSDConfig
     core: int | None = 1
     dtype: str = "float32"
+    device: str = "cpu"
     #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
     tree_delay_s: float = 0.0
-    backup: str = "ngram"
-    wait_fraction: float = 0.5
 
 
 def _drafter_seed(seed: int | None) -> int | None:
@@ -231,30 +238,42 @@ class DrafterLoop:
 
 
 def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
-    """Entry point of the drafter process: pin, load, serve until "stop"."""
+    """Entry point of the drafter process: pin, load, answer the verifier's hello, serve until the pipe closes."""
     if config.core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.core})
     torch.set_num_threads(1)
     from spec_core.config import parse_dtype
 
-    runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype))
-    link = PipeLink(conn)
-    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    link.send({"ready": True, "pid": os.getpid(), "affinity": affinity})
-    DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, config.backup, config.wait_fraction).run()
+    runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype), device=config.device)
+    link = PipeLink(conn, role="drafter")
+    try:
+        first = link.recv_pb()
+    except EOFError:
+        return
+    if first.WhichOneof("event") != "hello":
+        raise RuntimeError("the first event on the drafter pipe must be hello")
+    backup, wait_fraction = codec.backup_settings(first.hello)
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    link.send_pb(pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
+                                                   model=config.draft_path, device=str(runner.device),
+                                                   affinity=affinity)))
+    DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, backup, wait_fraction).run()
 
 
-def spawn_drafter(config: DrafterProcessConfig, timeout_s: float = 120.0) -> tuple[mp.Process, PipeLink, dict]:
-    """Start the drafter process and wait for its ready message (which reports its PID and CPU affinity)."""
+def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0
+                  ) -> tuple[mp.Process, PipeLink, dict]:
+    """Start the drafter process, send ``hello`` (with the verifier's backup settings) and wait for its ack;
+    returns the process, the verifier's end of the link and the ack as a dict (pid, device, affinity)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=drafter_process_main, args=(child, config), daemon=True, name="ssd-drafter")
     proc.start()
-    link = PipeLink(parent, proc=proc)
+    link = PipeLink(parent, vocab_size=hello.vocab_size, proc=proc)
+    link.send_pb(pb.DrafterEvent(hello=hello))
     deadline = time.monotonic() + timeout_s
     while not link.poll(0.1):
         if not proc.is_alive() or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"drafter process did not become ready (exit code {proc.exitcode})")
-    info = link.recv()
-    return proc, link, info
+    ack = link.recv_pb().ack
+    return proc, link, {"pid": ack.pid, "device": ack.device, "model": ack.model, "affinity": list(ack.affinity)}

@@ -36,8 +36,6 @@ class DrafterServerConfig:
     ssd: SSDConfig = field(default_factory=SSDConfig)
     dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
     device: str = "cpu"
-    backup: str = "ngram"
-    wait_fraction: float = 0.5
     host: str = "127.0.0.1"
     port: int = 0
     hello_timeout_s: float = 30.0
@@ -73,10 +71,13 @@ class QueueLink:
 
 
 class _Session:
-    def __init__(self, drafter: SSDDrafter, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, drafter: SSDDrafter, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop,
+                 hello: pb.Hello) -> None:
+        """The backup settings are the verifier's, from its ``hello``."""
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.link = QueueLink(loop, self.outbox)
-        self.loop = DrafterLoop(drafter, self.link, backup=config.backup, wait_fraction=config.wait_fraction,
+        backup, wait_fraction = codec.backup_settings(hello)
+        self.loop = DrafterLoop(drafter, self.link, backup=backup, wait_fraction=wait_fraction,
                                event_delay_s=config.inject_delay_s)
         self.thread = threading.Thread(target=self._run, args=(loop,), name="drafter-loop", daemon=True)
 
@@ -105,12 +106,12 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
         self.session: _Session | None = None
         self.sessions_started = 0
 
-    async def _replace_session(self) -> _Session:
+    async def _replace_session(self, hello: pb.Hello) -> _Session:
         old = self.session
         if old is not None:
             old.stop()
             await asyncio.to_thread(old.thread.join, 10.0)
-        session = _Session(SSDDrafter(self.runner, self.config.ssd), self.config, asyncio.get_running_loop())
+        session = _Session(SSDDrafter(self.runner, self.config.ssd), self.config, asyncio.get_running_loop(), hello)
         self.session = session
         self.sessions_started += 1
         session.thread.start()
@@ -125,11 +126,15 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
         if first.WhichOneof("event") != "hello":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first event on Connect must be hello")
         problems = codec.hello_mismatch(first.hello, self.expected)
+        try:
+            codec.backup_settings(first.hello)
+        except ValueError as exc:
+            problems.append(str(exc))
         if problems:
             logger.warning("refused a verifier: %s", "; ".join(problems))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "drafter/verifier mismatch: " + "; ".join(problems))
-        session = await self._replace_session()
+        session = await self._replace_session(first.hello)
         yield pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
                                                 model=self.config.draft_path, device=str(self.runner.device)))
         reader = asyncio.create_task(self._read(it, session))

@@ -240,9 +240,18 @@ def sampling_mode(saguaro_c: float, fanout_kind: str) -> str:
     return f"saguaro:C={saguaro_c:g};fanout={fanout_kind}"
 
 
-def make_hello(vocab_hash: str, vocab_size: int, k: int, budget: int, mode: str) -> pb.Hello:
+def make_hello(vocab_hash: str, vocab_size: int, k: int, budget: int, mode: str, backup: str = "ngram",
+               wait_fraction: float = 0.5) -> pb.Hello:
     return pb.Hello(protocol_version=PROTOCOL_VERSION, vocab_hash=vocab_hash, vocab_size=vocab_size, k=k,
-                    budget=budget, sampling_mode=mode)
+                    budget=budget, sampling_mode=mode, backup=backup, wait_fraction=wait_fraction)
+
+
+def backup_settings(hello: pb.Hello) -> tuple[str, float]:
+    """The verifier's (backup, wait_fraction) from its hello, which the drafter follows (defaults if unset)."""
+    backup = hello.backup or "ngram"
+    if backup not in ("ngram", "none"):
+        raise ValueError(f"hello: unknown backup {backup!r}; choose ngram or none")
+    return backup, hello.wait_fraction if hello.HasField("wait_fraction") else 0.5
 
 
 def hello_mismatch(got: pb.Hello, want: pb.Hello) -> list[str]:

@@ -13,6 +13,7 @@ requests), so the verifier never recomputes q.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -93,3 +94,28 @@ class BranchBundle:
     base_tokens: list[int]
     entries: dict[tuple[int, int], Speculation] = field(default_factory=dict)
     ready_at: float = 0.0
+
+
+@runtime_checkable
+class DrafterLink(Protocol):
+    """The verifier's end of a drafter connection: the interface every transport implements (the gRPC stream,
+    the local process pipe, the in-process loopback), carrying the codec's messages.
+
+    Events (:class:`PrefillEvent`, :class:`OutcomeEvent`, :class:`FreeEvent`) go to the drafter; speculations
+    (:class:`BranchBundle`, :class:`SpeculationMsg`) come back. ``send`` never blocks; ``flush`` delivers what a
+    batching transport holds (called after proposing, before the verify); ``alive`` turns False once the drafter
+    is gone, after which ``poll`` only drains what already arrived.
+    """
+
+    @property
+    def alive(self) -> bool: ...
+
+    def send(self, msg: object) -> None: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+
+    def recv(self) -> object: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...

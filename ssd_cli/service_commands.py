@@ -31,7 +31,11 @@ def add_parsers(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=16, help="requests batched per verify step")
     s.add_argument("--max-queue", type=int, default=64, help="admitted requests before RESOURCE_EXHAUSTED")
     s.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto",
-                   help="one GPU per actor (auto: if the cluster has >= 2 GPUs)")
+                   help="GPUs for the actors (auto: if the cluster has 2 x --gpu-fraction of them)")
+    s.add_argument("--gpu-fraction", type=float, default=1.0,
+                   help="each actor's share of a GPU: 1 = a GPU each, 0.5 = drafter and verifier on one GPU")
+    s.add_argument("--device", default="auto",
+                   help="auto (the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N, for both actors")
     s.add_argument("--strategy", default="PACK", help="placement strategy: PACK | SPREAD | STRICT_SPREAD | ...")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
     s.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
@@ -84,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
                      max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                      use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
+                     gpu_fraction=args.gpu_fraction, device=args.device,
                      metrics_port=args.metrics_port, adaptive_k=not args.fixed_k,
                      backup_policy=args.backup_policy,
                      extra_verifier={"auth_token_file": _abs(args.auth_token_file),

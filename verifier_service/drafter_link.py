@@ -37,6 +37,8 @@ class HandshakeError(RuntimeError):
 
 
 class GrpcDrafterLink:
+    """The verifier's end of a drafter ``Connect`` stream (a :class:`spec_core.speculation.DrafterLink`)."""
+
     def __init__(self, address: str, hello: pb.Hello, vocab_size: int, connect_timeout_s: float = 60.0,
                  session_timeout_s: float = 7 * 24 * 3600.0, tls=None) -> None:
         """Connect, send ``hello`` and wait for the drafter's ack (raises :class:`HandshakeError`).
@@ -117,6 +119,9 @@ class GrpcDrafterLink:
 
     def recv(self) -> object:
         return self._in.recv()
+
+    def flush(self) -> None:
+        """Each send is queued for the stream writer at once: nothing to flush."""
 
     def close(self) -> None:
         self._out.put(None)

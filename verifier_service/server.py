@@ -295,7 +295,7 @@ class VerifierServer:
     def hello(self) -> pb.Hello:
         c = self.config
         return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, c.k, c.budget,
-                                codec.sampling_mode(c.saguaro_c, c.fanout))
+                                codec.sampling_mode(c.saguaro_c, c.fanout), c.backup, c.wait_fraction)
 
     def _build_engine(self, drafter_address: str | None) -> VerifierEngine:
         c = self.config

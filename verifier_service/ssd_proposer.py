@@ -20,6 +20,7 @@ from spec_core.ngram import backup_tokens, one_hot_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
     BranchBundle,
+    DrafterLink,
     FreeEvent,
     OutcomeEvent,
     PrefillEvent,
@@ -78,7 +79,7 @@ class _ReqState:
 class SSDProposer:
     """Implements the engine's proposer interface (``propose``, ``commit``, ``release``) over a drafter link."""
 
-    def __init__(self, link, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
+    def __init__(self, link: DrafterLink, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
                  backup_greedy_match: bool = False, backup_policy: str = "auto",
                  device: torch.device | str = "cpu") -> None:
         """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
@@ -160,7 +161,7 @@ class SSDProposer:
             specs[seq.request_id] = spec
             st.used_hit = hit
             st.source = "hit" if hit else ("jit" if spec is not None else "backup")
-        alive = getattr(self.link, "alive", True)
+        alive = self.link.alive
         if not alive and self.down_at_round is None:
             self.down_at_round, self.switch_rounds = self.stats.rounds, None
         elif alive:
@@ -168,7 +169,7 @@ class SSDProposer:
         self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
         if not self.jit_allowed:
             self.stats.fast_backup_steps += 1
-        if waiting and self.jit_allowed and getattr(self.link, "alive", True):  # dead link: straight to backup
+        if waiting and self.jit_allowed and self.link.alive:  # dead link: straight to backup
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
             deadline = time.perf_counter() + self.wait_fraction * self.verify_s_ema
@@ -190,9 +191,7 @@ class SSDProposer:
             self.stats.jit_wait_s += waited
             self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
-        flush = getattr(self.link, "flush", None)
-        if flush is not None:  # transports that batch sends deliver them now, before the verify
-            flush()
+        self.link.flush()  # transports that batch sends deliver them now, before the verify
         return trees
 
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
@@ -250,7 +249,7 @@ class SSDProposer:
         st.round += 1
         st.jit_attempted = False
 
-    def replace_link(self, link) -> None:
+    def replace_link(self, link: DrafterLink) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
         every active request starts over with a prefill event on its next round."""
         self.link = link

@@ -135,32 +135,38 @@ class StatsResponse(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_emitted: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., drafter_connected: _Optional[bool] = ..., json: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode")
+    __slots__ = ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode", "backup", "wait_fraction")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_MODE_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     vocab_hash: str
     vocab_size: int
     k: int
     budget: int
     sampling_mode: str
-    def __init__(self, protocol_version: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., sampling_mode: _Optional[str] = ...) -> None: ...
+    backup: str
+    wait_fraction: float
+    def __init__(self, protocol_version: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., sampling_mode: _Optional[str] = ..., backup: _Optional[str] = ..., wait_fraction: _Optional[float] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("protocol_version", "pid", "model", "device")
+    __slots__ = ("protocol_version", "pid", "model", "device", "affinity")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pid: int
     model: str
     device: str
-    def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    affinity: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., affinity: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

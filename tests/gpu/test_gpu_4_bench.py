@@ -1,0 +1,111 @@
+"""A short bf16 benchmark on the GPU: AR, SD and SSD tokens/s for 2 prompts x 64 new tokens, printed as a table
+with each mode's greedy agreement with fp32 transformers. Reported, not asserted beyond sanity (> 0 tokens/s)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from spec_core.config import SamplingParams, SSDConfig
+
+pytestmark = pytest.mark.gpu
+
+NEW = 64
+WARMUP = 8
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _agreement(outs: list[list[int]], refs: list[list[int]]) -> tuple[int, int, int]:
+    """(identical outputs, matching-prefix tokens, reference tokens)."""
+    same = prefix = total = 0
+    for out, ref in zip(outs, refs):
+        same += out == ref
+        prefix += next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        total += len(ref)
+    return same, prefix, total
+
+
+@pytest.mark.timeout(480)
+def test_bf16_tokens_per_s_and_agreement(pair_loader, generator_cls, real_pair, prompts, hf_greedy, cores, device,
+                                         gpu_report, log):
+    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+
+    ps = prompts[::2]  # one code, one chat prompt
+    refs = [hf_greedy(ids, NEW) for ids in ps]
+    t0 = time.perf_counter()
+    pair = pair_loader("bfloat16", device)
+    log(f"bf16 pair loaded on {pair.target.device} ({pair.target.dtype}) in {time.perf_counter() - t0:.1f}s")
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    rows: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+
+    def measure(mode: str, run_one) -> None:
+        try:
+            run_one(ps[0], SamplingParams(max_new_tokens=WARMUP, ignore_eos=True), "warm")  # kernels, allocator
+            outs, rounds, wall = [], [], 0.0
+            for i, ids in enumerate(ps):
+                _sync(device)
+                t = time.perf_counter()
+                out, tpr = run_one(ids, greedy, f"b{i}")
+                _sync(device)
+                wall += time.perf_counter() - t
+                outs.append(list(out))
+                rounds.append(tpr)
+            rows[mode] = {"outs": outs, "wall": wall, "tpr": [r for r in rounds if r is not None]}
+        except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others' numbers
+            errors[mode] = f"{type(exc).__name__}: {exc}"
+            log(f"bf16 {mode} failed: {errors[mode]}")
+
+    gen = generator_cls.from_pair(pair, k=4)
+
+    def gen_run(mode):
+        def run_one(ids, params, rid):
+            res = gen.generate(ids, params, mode=mode, request_id=rid)
+            return res.token_ids, getattr(res.stats, "mean_tokens_per_round", None) if mode != "ar" else None
+        return run_one
+
+    measure("ar", gen_run("ar"))
+    measure("sd", gen_run("sd"))
+    drafter_device = "?"
+    try:
+        cfg = LocalSSDConfig(real_pair["draft"], SSDConfig(k=2), verifier_core=cores[0], drafter_core=cores[1],
+                             max_num_seqs=4)
+        with LocalSSD(pair.target, cfg, eos_ids=pair.eos_ids) as local:
+            drafter_device = str(local.drafter_info.get("device", "cpu (not reported)"))
+
+            def ssd_run(ids, params, rid):
+                seq, stats, _ = generate_ssd(local, ids, params, request_id=rid)
+                return seq.output_ids, getattr(stats, "mean_tokens_per_round", None)
+
+            measure("ssd", ssd_run)
+    except Exception as exc:  # noqa: BLE001 - the drafter process could not start
+        errors["ssd"] = f"{type(exc).__name__}: {exc}"
+
+    ar_outs = rows.get("ar", {}).get("outs")
+    gpu_report(f"bf16 benchmark on {device} ({torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'})"
+               f": {len(ps)} prompts x {NEW} tokens, greedy, ignore_eos; SD k=4 (drafter on {pair.draft.device}), "
+               f"SSD k=2 (drafter process on {drafter_device}); tok/s = generated tokens / wall incl. prefill")
+    gpu_report(f"{'mode':<5} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/round':>9} {'= fp32 HF':>12} "
+               f"{'prefix vs fp32':>15} {'= bf16 AR':>10}")
+    for mode in ("ar", "sd", "ssd"):
+        if mode not in rows:
+            gpu_report(f"{mode:<5} FAILED: {errors.get(mode, '?')[:200]}")
+            continue
+        r = rows[mode]
+        n = sum(len(o) for o in r["outs"])
+        same, prefix, total = _agreement(r["outs"], refs)
+        vs_ar = f"{_agreement(r['outs'], ar_outs)[0]}/{len(ps)}" if ar_outs and mode != "ar" else "-"
+        tpr = f"{sum(r['tpr']) / len(r['tpr']):.2f}" if r["tpr"] else "-"
+        r["tps"] = n / r["wall"] if r["wall"] > 0 else 0.0
+        gpu_report(f"{mode:<5} {n:>6} {r['wall']:>8.2f} {r['tps']:>8.1f} {tpr:>9} {same:>10}/{len(ps)} "
+                   f" {prefix:>5}/{total} {prefix / total:.2f} {vs_ar:>10}")
+    assert not errors, "bf16 modes failed: " + "; ".join(f"{m}: {e}" for m, e in errors.items())
+    for mode, r in rows.items():
+        assert r["tps"] > 0, (mode, r["wall"])
+        assert all(len(o) == NEW for o in r["outs"]), (mode, [len(o) for o in r["outs"]])
