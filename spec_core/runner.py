@@ -115,21 +115,34 @@ def _t(w: torch.Tensor) -> torch.Tensor:
 
 
 class Layer:
-    """One decoder layer's weights (transposed), with q/k/v and gate/up fused for fewer kernel calls."""
+    """One decoder layer's weights (transposed), with q/k/v and gate/up fused for fewer kernel calls.
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec) -> None:
+    Built from the host checkpoint ``w``, whose entries it consumes (pops); ``place`` moves each finished matrix to
+    the device in the compute dtype, so the device never holds a layer twice (unfused and fused).
+    """
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec, place) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
-        self.qkv = _t(torch.cat([w[f"{a}.q_proj.weight"], w[f"{a}.k_proj.weight"], w[f"{a}.v_proj.weight"]]))
+        take = w.pop
+        self.qkv = place(_t(torch.cat([take(f"{a}.q_proj.weight"), take(f"{a}.k_proj.weight"),
+                                       take(f"{a}.v_proj.weight")])))
         self.qkv_bias = (
-            torch.cat([w[f"{a}.q_proj.bias"], w[f"{a}.k_proj.bias"], w[f"{a}.v_proj.bias"]]) if spec.qkv_bias else None
+            place(torch.cat([take(f"{a}.q_proj.bias"), take(f"{a}.k_proj.bias"), take(f"{a}.v_proj.bias")]))
+            if spec.qkv_bias else None
         )
-        self.o = _t(w[f"{a}.o_proj.weight"])
-        self.q_norm = w.get(f"{a}.q_norm.weight")
-        self.k_norm = w.get(f"{a}.k_norm.weight")
-        self.gate_up = _t(torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]))
-        self.down = _t(w[f"{m}.down_proj.weight"])
-        self.ln_attn = w[f"{prefix}.input_layernorm.weight"]
-        self.ln_mlp = w[f"{prefix}.post_attention_layernorm.weight"]
+        self.o = place(_t(take(f"{a}.o_proj.weight")))
+        q_norm, k_norm = w.pop(f"{a}.q_norm.weight", None), w.pop(f"{a}.k_norm.weight", None)
+        self.q_norm = place(q_norm) if q_norm is not None else None
+        self.k_norm = place(k_norm) if k_norm is not None else None
+        self.gate_up = place(_t(torch.cat([take(f"{m}.gate_proj.weight"), take(f"{m}.up_proj.weight")])))
+        self.down = place(_t(take(f"{m}.down_proj.weight")))
+        self.ln_attn = place(take(f"{prefix}.input_layernorm.weight"))
+        self.ln_mlp = place(take(f"{prefix}.post_attention_layernorm.weight"))
+
+    def quantize(self) -> None:
+        """Weight-only int8 matrices (see :mod:`spec_core.quant`)."""
+        self.qkv, self.o = quantize_int8(self.qkv), quantize_int8(self.o)
+        self.gate_up, self.down = quantize_int8(self.gate_up), quantize_int8(self.down)
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -219,22 +232,32 @@ class ModelRunner:
         self.spec = ArchSpec.from_hf(self.hf_config)
         self.dtype = dtype
         self.device = torch.device(device)
+        # Layer by layer from the host checkpoint straight to the device (and to int8 there, if asked), so the
+        # device's peak stays near the final weights' size.
         raw = load_safetensors_dir(path)
-        w = {k: v.to(device=self.device, dtype=dtype) for k, v in raw.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        head = self.embed if self.spec.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype)
+
+        self.embed = place(raw.pop("model.embed_tokens.weight"))
+        head_raw = raw.pop("lm_head.weight", None)
         self.token_map = load_token_map(path, self.spec.vocab_size)
         if self.token_map is not None:
             self.token_map = self.token_map.to(self.device)
+        head = self.embed if self.spec.tie_embeddings or head_raw is None else place(head_raw)
+        if self.token_map is not None:
             head = head[self.token_map]
         self.lm_head = _t(head)
-        self.norm = w["model.norm.weight"]
-        self.layers = [Layer(w, f"model.layers.{i}", self.spec) for i in range(self.spec.num_layers)]
         if weights == "int8":
             self.lm_head = quantize_int8(self.lm_head)
-            for layer in self.layers:
-                layer.qkv, layer.o = quantize_int8(layer.qkv), quantize_int8(layer.o)
-                layer.gate_up, layer.down = quantize_int8(layer.gate_up), quantize_int8(layer.down)
+        self.norm = place(raw.pop("model.norm.weight"))
+        self.layers = []
+        for i in range(self.spec.num_layers):
+            layer = Layer(raw, f"model.layers.{i}", self.spec, place)
+            if weights == "int8":
+                layer.quantize()
+            self.layers.append(layer)
+        del raw
         rotary = LlamaRotaryEmbedding(self.hf_config)
         positions = torch.arange(self.spec.max_positions)[None]
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
