@@ -53,7 +53,6 @@ class BatchDrafter:
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
-        self.num_computed: dict[str, int] = {}
         self.draft_s = 0.0
 
     def observe_verify_time(self, seconds: float) -> None:
@@ -61,7 +60,7 @@ class BatchDrafter:
 
     def release(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)
-        self.num_computed.pop(seq.request_id, None)
+        seq.num_draft_computed = 0
 
     def _slots(self, seq: Sequence):
         return lambda a, b: self.blocks.slots(seq.request_id, a, b)
@@ -106,13 +105,13 @@ class BatchDrafter:
         # Level 0: catch up on pending tokens (prompt or last accepted ones) and read the root distribution.
         items = []
         for s, ni in zip(seqs, n):
-            c = self.num_computed.get(s.request_id, 0)
+            c = s.num_draft_computed
             slots = self._slots(s)
             items.append(WorkItem(slots(0, c), s.token_ids[c:], list(range(c, ni)), slots(c, ni), ni - c, [],
                                   [ni - c - 1]))
         logits = forward_items(self.runner, self.cache, items)
         for s, ni in zip(seqs, n):
-            self.num_computed[s.request_id] = ni
+            s.num_draft_computed = ni
         probs, picks = self._sample(seqs, logits, b, root=True)
         parents = [[-1] * b for _ in seqs]
         tokens = [list(p) for p in picks]
@@ -157,5 +156,5 @@ class BatchDrafter:
         usable = path[: max(0, depth - 1)]  # nodes at depth < k were fed; the path descends one level per node
         src, dst = reconcile_tree_slots(self._slots(seq), n, usable)
         self.cache.copy_slots(src, dst)
-        self.num_computed[rid] = n + len(usable)
+        seq.num_draft_computed = n + len(usable)
         self.blocks.commit(rid, n + len(usable))

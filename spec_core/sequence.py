@@ -34,6 +34,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     #: Tokens whose K/V is committed in the target cache (engine bookkeeping).
     num_computed: int = 0
+    #: Tokens whose K/V is valid in the in-process draft engine's cache (SD; see spec_core.draft_engine).
+    num_draft_computed: int = 0
     #: Text cut at a stop string (None while no stop string matched).
     stopped_text: str | None = None
     #: The target's log-probability of each output token (filled only when ``params.logprobs``).
