@@ -201,6 +201,16 @@ def greedy_match_verify_tree_path(
     return [tree.token_ids[i] for i in path] + [last], path
 
 
+def _child_table(parents: Sequence[int], device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """The tree's shape for batched verification: ``table [N+1, fan]`` (row ``i + 1`` lists node i's children, row 0
+    the root's, padded with -1), the largest fan-out ``fan`` (at least 1) and the tree's depth."""
+    shape = TokenTree(list(parents), [0] * len(parents))
+    kids = shape.child_lists()
+    fan = max(1, max(len(k) for k in kids))
+    table = to_device([k + [-1] * (fan - len(k)) for k in kids], device, torch.long)
+    return table, fan, max(shape.depths(), default=0)
+
+
 def stochastic_verify_tree_batch(
     target_probs: torch.Tensor,
     parents: Sequence[int],
@@ -216,12 +226,8 @@ def stochastic_verify_tree_batch(
     ``uniforms [B, N+1]``. Returns ``token_ids [B, D+1]`` (D = tree depth, padded with -1) and ``num_accepted [B]``.
     """
     bsz, n1, _ = target_probs.shape
-    shape = TokenTree(list(parents), [0] * len(parents))
-    kids = shape.child_lists()
-    fan = max(1, max(len(k) for k in kids))
     dev = target_probs.device
-    table = to_device([k + [-1] * (fan - len(k)) for k in kids], dev, torch.long)
-    depth = max(shape.depths(), default=0)
+    table, fan, depth = _child_table(parents, dev)
     rows = torch.arange(bsz, device=dev)
     out = torch.full((bsz, depth + 1), PLACEHOLDER, dtype=torch.long, device=dev)
     num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)

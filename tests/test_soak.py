@@ -44,69 +44,78 @@ def _trimmed_rss_mb() -> float:
     return _rss_mb()
 
 
+class _Load:
+    """Client threads streaming random prompts (half greedy, half sampled) until a deadline, tallying what they see."""
+
+    def __init__(self, address: str, refs: dict[str, list[int]], max_new: int) -> None:
+        self.address, self.refs, self.max_new = address, refs, max_new
+        self.errors: list[str] = []
+        self.itls: list[float] = []
+        self.done = 0
+        self.lock = threading.Lock()
+        self.stop_at = 0.0
+
+    def run(self, clients: int, seconds: float, seed0: int) -> None:
+        """``clients`` threads (seeds ``seed0 + i``) for ``seconds``; returns when all have finished."""
+        self.stop_at = time.monotonic() + seconds
+        ts = [threading.Thread(target=self.worker, args=(seed0 + i,)) for i in range(clients)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    def worker(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with SSDClient(self.address, retries=0) as client:
+            while time.monotonic() < self.stop_at:
+                prompt = rng.choice(PROMPTS)
+                greedy = rng.random() < 0.5
+                params = SamplingParams(max_new_tokens=self.max_new, ignore_eos=True,
+                                        temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
+                try:
+                    self._one(client, prompt, greedy, params)
+                except Exception as exc:  # noqa: BLE001 - every error counts
+                    with self.lock:
+                        self.errors.append(repr(exc))
+
+    def _one(self, client: SSDClient, prompt: str, greedy: bool, params: SamplingParams) -> None:
+        """One streamed request, checked (well-formed; the greedy reference when greedy) and tallied."""
+        times, tokens = [], []
+        final = None
+        for resp in client.generate(prompt, params):
+            if resp.WhichOneof("kind") == "delta":
+                times.append(time.perf_counter())
+                tokens.extend(resp.delta.token_ids)
+            else:
+                final = resp.final
+        ok = final is not None and list(final.token_ids) == tokens and len(tokens) == self.max_new
+        ok = ok and all(0 <= t < 8192 for t in tokens) and (not greedy or tokens == self.refs[prompt])
+        with self.lock:
+            if not ok:
+                self.errors.append(f"bad output for {prompt!r} greedy={greedy}")
+            self.itls.extend(b - a for a, b in zip(times, times[1:]))
+            self.done += 1
+
+
 def _soak(toy_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
     drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
     drafter.start()
     server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=max(32, clients),
                                                  max_num_seqs=16, max_streams_per_client=None))
     address = server.start(drafter.address)
-    refs = {p: greedy_reference(p, max_new) for p in PROMPTS}
-    errors: list[str] = []
-    itls: list[float] = []
-    done = [0]
-    lock = threading.Lock()
-    stop_at = [0.0]
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        with SSDClient(address, retries=0) as client:
-            while time.monotonic() < stop_at[0]:
-                prompt = rng.choice(PROMPTS)
-                greedy = rng.random() < 0.5
-                params = SamplingParams(max_new_tokens=max_new, ignore_eos=True,
-                                        temperature=0.0 if greedy else 0.8, seed=rng.randrange(1 << 30))
-                try:
-                    times, tokens = [], []
-                    final = None
-                    for resp in client.generate(prompt, params):
-                        if resp.WhichOneof("kind") == "delta":
-                            times.append(time.perf_counter())
-                            tokens.extend(resp.delta.token_ids)
-                        else:
-                            final = resp.final
-                    ok = final is not None and list(final.token_ids) == tokens and len(tokens) == max_new
-                    ok = ok and all(0 <= t < 8192 for t in tokens) and (not greedy or tokens == refs[prompt])
-                    with lock:
-                        if not ok:
-                            errors.append(f"bad output for {prompt!r} greedy={greedy}")
-                        itls.extend(b - a for a, b in zip(times, times[1:]))
-                        done[0] += 1
-                except Exception as exc:  # noqa: BLE001 - every error counts
-                    with lock:
-                        errors.append(repr(exc))
-
+    load = _Load(address, {p: greedy_reference(p, max_new) for p in PROMPTS}, max_new)
     try:
         # warm-up, then measure RSS growth over the loaded period
-        stop_at[0] = time.monotonic() + min(5.0, seconds / 3)
-        ts = [threading.Thread(target=worker, args=(100 + i,)) for i in range(clients)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        load.run(clients, min(5.0, seconds / 3), seed0=100)
         rss0 = _trimmed_rss_mb()
-        stop_at[0] = time.monotonic() + seconds
-        ts = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        load.run(clients, seconds, seed0=0)
         rss1 = _trimmed_rss_mb()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (server.stats()["admitted"] or server.stats()["kv_usage"]):
             time.sleep(0.1)
         stats = server.stats()
-        itls.sort()
-        report = {"requests": done[0], "errors": errors[:5], "num_errors": len(errors),
+        itls = sorted(load.itls)
+        report = {"requests": load.done, "errors": load.errors[:5], "num_errors": len(load.errors),
                   "itl_p99_s": itls[int(0.99 * (len(itls) - 1))] if itls else None,
                   "rss_growth": (rss1 - rss0) / rss0, "kv_usage": stats["kv_usage"], "admitted": stats["admitted"]}
         logger.warning("soak: %s", report)

@@ -1,15 +1,11 @@
 """The verifier's public gRPC server (``ssd.v1.Generation``) over an :class:`EngineLoop`.
 
-Status codes: INVALID_ARGUMENT (bad request, with a message), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
-(starting or draining), INTERNAL (an engine failure; the server keeps serving). A client that cancels (or whose
-deadline passes) has its request cancelled: KV blocks are freed here and on the drafter. ``drain`` turns health to
+The handlers and their status codes are in :mod:`verifier_service.servicer`. ``drain`` turns health to
 NOT_SERVING, refuses new calls and lets in-flight streams finish.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import threading
 import time
@@ -20,7 +16,6 @@ import grpc
 from protos import codec
 from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
-from protos.ssd.v1 import ssd_pb2_grpc
 from spec_core import chat
 from spec_core.chat import Prompt
 from spec_core.config import MODES, ModelConfig
@@ -28,10 +23,10 @@ from spec_core.fanout import FanoutConfig
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
-from verifier_service.service import Delta, Draining, EngineLoop, Failed, Finished, QueueFull
+from verifier_service.service import EngineLoop
+from verifier_service.servicer import SERVICE, GenerationServicer, add_generation_servicer
 
 logger = logging.getLogger(__name__)
-SERVICE = "ssd.v1.Generation"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,167 +77,8 @@ class VerifierServerConfig:
             raise ValueError("max_queue and max_num_seqs must be >= 1")
 
 
-def _stats_pb(finished: Finished) -> pb.RequestStats:
-    seq, s = finished.seq, finished.stats
-    decode_s = (seq.emit_times[-1] - seq.emit_times[0]) if len(seq.emit_times) > 1 else 0.0
-    out = pb.RequestStats(ttft_s=finished.ttft_s, decode_s=decode_s,
-                          tokens_per_s=(len(seq.output_ids) - 1) / decode_s if decode_s > 0 else 0.0)
-    if s is not None and s.num_rounds:
-        out.num_rounds = s.num_rounds
-        out.mean_tokens_per_round = s.mean_tokens_per_round
-        out.acceptance_rate = s.acceptance_rate or 0.0
-        out.num_drafted, out.num_accepted = s.num_drafted, s.num_accepted
-        out.acceptance_by_position.extend(s.acceptance_by_position())
-    return out
-
-
-class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
-    def __init__(self, server: VerifierServer) -> None:
-        self.server = server
-        self.streams_by_client: dict[str, int] = {}
-
-    @staticmethod
-    def _client_id(context) -> str:
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                import hashlib
-
-                return "token:" + hashlib.sha256(str(value).encode()).hexdigest()[:12]
-        peer = context.peer() or "unknown"
-        return "peer:" + peer.rsplit(":", 1)[0]
-
-    def _check_client_limits(self, client: str, ids: list[int], params) -> None:
-        c = self.server.config
-        if c.max_prompt_tokens is not None and len(ids) > c.max_prompt_tokens:
-            raise ValueError(f"prompt has {len(ids)} tokens; this server allows {c.max_prompt_tokens} per request")
-        if c.max_new_tokens_limit is not None and params.max_new_tokens > c.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens {params.max_new_tokens} exceeds this server's limit of "
-                             f"{c.max_new_tokens_limit}")
-        if c.max_streams_per_client is not None and self.streams_by_client.get(client, 0) >= c.max_streams_per_client:
-            raise QueueFull(f"this client already has {c.max_streams_per_client} requests in flight")
-
-    async def _submit(self, request: pb.GenerateRequest, context):
-        srv = self.server
-        if isinstance(request, Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
-        if srv.engine_loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
-        try:
-            prompt, params = codec.request_to_params(request)
-            ids = srv.encode(prompt)
-            srv.check_limits(ids, params)
-            client = self._client_id(context)
-            self._check_client_limits(client, ids, params)
-            seq = srv.engine_loop.new_sequence(ids, params, request.request_id)
-            handle = srv.engine_loop.submit(seq, asyncio.get_running_loop())
-            handle.client = client
-            self.streams_by_client[client] = self.streams_by_client.get(client, 0) + 1
-            return handle
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except Draining as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-    def _result(self, finished: Finished) -> pb.GenerateResult:
-        seq = finished.seq
-        return pb.GenerateResult(
-            request_id=seq.request_id, mode=self.server.config.mode, token_ids=seq.output_ids, text=seq.text,
-            finish_reason=seq.finish_reason or "", num_prompt_tokens=len(seq.prompt_ids),
-            logprobs=seq.output_logprobs, stats=_stats_pb(finished))
-
-    def _done(self, handle) -> None:
-        n = self.streams_by_client.get(handle.client, 1) - 1
-        if n > 0:
-            self.streams_by_client[handle.client] = n
-        else:
-            self.streams_by_client.pop(handle.client, None)
-        if not handle.done:  # the client went away (cancel, deadline): free its KV on both sides
-            self.server.engine_loop.cancel(handle)
-
-    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        handle = await self._submit(request, context)
-        try:
-            while True:
-                ev = await handle.events.get()
-                if isinstance(ev, Delta):
-                    yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text,
-                                                                  logprobs=ev.logprobs))
-                elif isinstance(ev, Finished):
-                    yield pb.GenerateResponse(final=self._result(ev))
-                    return
-                elif isinstance(ev, Failed):
-                    await context.abort(_failure_code(ev), ev.message)
-        finally:
-            self._done(handle)
-
-    async def Complete(self, request, context):  # noqa: N802
-        handle = await self._submit(request, context)
-        try:
-            while True:
-                ev = await handle.events.get()
-                if isinstance(ev, Finished):
-                    return self._result(ev)
-                if isinstance(ev, Failed):
-                    await context.abort(_failure_code(ev), ev.message)
-        finally:
-            self._done(handle)
-
-    async def GetStats(self, request, context):  # noqa: N802
-        stats = self.server.stats()
-        return pb.StatsResponse(
-            mode=stats["mode"], running=stats["running"], queued=stats["queued"], kv_usage=stats["kv_usage"],
-            tokens_emitted=stats["tokens_emitted"], rounds=stats["rounds"],
-            acceptance_rate=stats["acceptance_rate"] or 0.0,
-            mean_tokens_per_round=stats["mean_tokens_per_round"] or 0.0,
-            cache_hit_rate=stats["cache_hit_rate"] or 0.0, drafter_connected=stats["drafter_connected"],
-            json=json.dumps(stats))
-
-
-@dataclass(frozen=True, slots=True)
-class Malformed:
-    """A request that did not parse as protobuf (the handler answers INVALID_ARGUMENT)."""
-
-    error: str
-
-
-def _tolerant(message_cls):
-    from google.protobuf.message import DecodeError
-
-    def parse(data: bytes):
-        try:
-            return message_cls.FromString(data)
-        except DecodeError as exc:
-            return Malformed(str(exc))
-
-    return parse
-
-
-def add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
-    """Like the generated ``add_GenerationServicer_to_server``, but a request that does not parse (random bytes,
-    invalid UTF-8 in a string field) reaches the handler as :class:`Malformed` and gets INVALID_ARGUMENT with the
-    parser's message, instead of the library's UNKNOWN."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "Complete": grpc.unary_unary_rpc_method_handler(
-            servicer.Complete, request_deserializer=_tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResult.SerializeToString),
-        "GetStats": grpc.unary_unary_rpc_method_handler(
-            servicer.GetStats, request_deserializer=_tolerant(pb.StatsRequest),
-            response_serializer=pb.StatsResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-
-
 def c_k(config: VerifierServerConfig) -> int:
     return config.k if config.mode != "ar" else 0
-
-
-def _failure_code(ev: Failed) -> grpc.StatusCode:
-    return grpc.StatusCode.INTERNAL if ev.message.startswith("internal error") else grpc.StatusCode.INVALID_ARGUMENT
 
 
 class VerifierServer:
@@ -424,7 +260,8 @@ class VerifierServer:
             s = proposer.stats
             step_s = eng.metrics.step_s
             out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,
-                       backup_rounds=s.backup, verifier_wait_s=s.wait_s, verifier_max_wait_s=s.max_wait_s, accepted_histogram=list(s.accepted_hist),
+                       backup_rounds=s.backup, verifier_wait_s=s.wait_s, verifier_max_wait_s=s.max_wait_s,
+                       accepted_histogram=list(s.accepted_hist),
                        tokens_per_round_on_hit=s.tokens_on_hit / s.hit_rounds if s.hit_rounds else None,
                        tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
                                                  if s.jit_rounds + s.backup_rounds else None),

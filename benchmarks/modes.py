@@ -1,0 +1,205 @@
+"""Bench modes: their names and groups, which runtime each runs on, and :class:`ModeRunner`, which runs one request
+in any of them.
+
+Every mode shares one loaded target (and draft) and the tokenised prompt; the peers (transformers, llama.cpp), the
+local two-process SSD and the gRPC service are set up only when a mode needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from spec_core.config import ModelConfig, SamplingParams
+from spec_core.metrics import DecodeStats
+from verifier_service.api import RUNTIME, GenerationResult, Generator
+
+if TYPE_CHECKING:
+    from benchmarks.bench import BenchSettings
+
+logger = logging.getLogger(__name__)
+
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
+               "hf-generate-2t", "llama-cpp", "llama-cpp-2t")
+#: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
+TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
+#: The peer, AR through llama-cpp-python on the target's GGUF (an optional extra), on 1 and on 2 threads.
+LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
+
+#: Modes that also run at concurrency > 1 (through the continuous-batching engine).
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-service")
+
+
+def runtime_of(mode: str) -> str:
+    """Which runtime a mode runs on: ours (every AR, SD and SSD mode: the one verifier engine) or a peer's."""
+    if mode.startswith("hf"):
+        return "transformers"
+    if mode in LLAMA_CPP_MODES:
+        return "llama.cpp"
+    return RUNTIME + (" over gRPC" if mode == "ssd-service" else "")
+
+
+def is_ar(mode: str) -> bool:
+    return mode in ("ar", "ar-2t") or mode in LLAMA_CPP_MODES
+
+
+class ModeRunner:
+    """Runs one request in any bench mode; every mode shares the loaded models and the tokenised prompt."""
+
+    def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> None:
+        self.gen = Generator(target, draft, k=settings.k)
+        self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.threads = settings.target_threads
+        self.k = settings.k
+        self.sd_k = settings.sd_k or settings.k
+        self.hf: dict[str, object] = {}
+        self.assistant_tokens: int | None = None
+        modes = set(settings.modes)
+        #: modes that cannot run here, with the reason (reported as skipped rows)
+        self.skipped: dict[str, str] = {}
+        self.llama_cpp = None
+        if modes & set(LLAMA_CPP_MODES):
+            from benchmarks.llama_cpp_mode import LlamaCppAR, target_gguf, unavailable_reason
+
+            reason = unavailable_reason(target.path)
+            if reason is None:
+                self.llama_cpp = LlamaCppAR(target_gguf(target.path))
+            else:
+                for m in modes & set(LLAMA_CPP_MODES):
+                    self.skipped[m] = reason
+                sys.stderr.write(f"bench: skipping {', '.join(sorted(modes & set(LLAMA_CPP_MODES)))}: {reason}\n")
+        if modes & {"hf-generate", "hf-generate-2t", "hf-assisted", "hf-assisted-tuned"}:
+            from benchmarks.hf_baselines import HFGenerate
+
+            if modes & {"hf-generate", "hf-generate-2t"}:
+                self.hf["hf-generate"] = HFGenerate(target.path)
+            if "hf-assisted" in modes:
+                self.hf["hf-assisted"] = HFGenerate(target.path, draft.path if draft else None)
+            if "hf-assisted-tuned" in modes:
+                self.hf["hf-assisted-tuned"] = HFGenerate(target.path, draft.path if draft else None)
+
+        # The service first: Ray's processes inherit this process's CPU affinity, which the local SSD pins to
+        # one core below.
+        self.service = None
+        if "ssd-service" in settings.modes:
+            from benchmarks.service_mode import ServiceMode
+
+            self.service = ServiceMode(target.path, draft.path, settings.k)
+        self.local_ssd = None
+        if "ssd" in settings.modes:
+            from cluster.local_ssd import LocalSSD, LocalSSDConfig
+            from spec_core.config import SSDConfig
+
+            pair = self.gen.pair
+            from spec_core.fanout import FanoutConfig
+
+            ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c)
+            self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
+                                      eos_ids=pair.eos_ids).__enter__()
+        self.ssd_extra: dict[str, list[dict]] = {"ssd": [], "ssd-service": []}
+
+    def close(self) -> None:
+        if self.local_ssd is not None:
+            self.local_ssd.__exit__(None, None, None)
+        if self.service is not None:
+            self.service.close()
+
+    def tune_assistant(self, prompts: list[str], settings: BenchSettings) -> None:
+        """hf-assisted-tuned: pick num_assistant_tokens in 1..8 by tokens/s on the first two prompts."""
+        hf = self.hf.get("hf-assisted-tuned")
+        if hf is None:
+            return
+        params = SamplingParams(max_new_tokens=settings.max_new_tokens, ignore_eos=settings.ignore_eos)
+        best, best_tps = 1, -1.0
+        for n in range(1, 9):
+            hf.set_assistant_tokens(n)
+            stats = DecodeStats()
+            for p in prompts[:2]:
+                stats.merge(hf.generate(self.gen.encode(p), params)[1])
+            if (stats.tokens_per_s or 0) > best_tps:
+                best, best_tps = n, stats.tokens_per_s or 0
+        hf.set_assistant_tokens(best)
+        self.assistant_tokens = best
+        logger.info("hf-assisted-tuned: num_assistant_tokens=%d (%.1f tok/s while tuning)", best, best_tps)
+
+    @contextlib.contextmanager
+    def unpinned(self):
+        """This process is only the client of ``ssd-service``: unpin it from the verifier's core (the local ssd
+        mode pins it there), or the client would compete with the verifier actor for one vCPU."""
+        pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
+        try:
+            if pinned is not None:
+                os.sched_setaffinity(0, self.all_cores)
+            yield
+        finally:
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
+
+    def run_concurrent(self, mode: str, prompts: list[str], params: list[SamplingParams], c: int) -> dict:
+        from benchmarks.concurrent import run_concurrent
+
+        if mode == "ssd-service":
+            with self.unpinned():
+                return self.service.run_concurrent(prompts, params, c)
+        ids = [self.gen.encode(p) for p in prompts]
+        k = self.sd_k if mode == "sd" else self.k
+        return run_concurrent(self.gen.pair, mode, ids, params, k, c, self.local_ssd)
+
+    def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        if mode in TWO_THREAD_MODES:
+            return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
+        if mode in LLAMA_CPP_MODES:
+            return self._llama_cpp(mode, prompt, params)
+        if mode == "ssd-service":
+            self.service.configure(adaptive=False)
+            with self.unpinned():
+                result, extra = self.service.run(prompt, params)
+            self.ssd_extra[mode].append(extra)
+            return result
+        if mode == "ssd":
+            from cluster.local_ssd import generate_ssd
+
+            ids = self.gen.encode(prompt)
+            seq, stats, extra = generate_ssd(self.local_ssd, ids, params)
+            self.ssd_extra[mode].append(extra)
+            return GenerationResult("ssd", ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
+                                    list(seq.emit_times))
+        if mode not in self.hf:
+            return self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
+        return self._hf(mode, prompt, params)
+
+    def _two_threads(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        """Run ``mode`` with torch on 2 threads over every core this process may use (equal hardware)."""
+        pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
+        try:
+            if self.all_cores is not None:
+                os.sched_setaffinity(0, self.all_cores)
+            torch.set_num_threads(2)
+            res = (self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
+                   if mode not in self.hf else self._hf(mode, prompt, params))
+        finally:
+            torch.set_num_threads(self.threads)
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
+        return res
+
+    def _llama_cpp(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        """The peer on 1 thread (pinned as our target is) or on 2 (every core this process may use)."""
+        threads = LLAMA_CPP_MODES[mode]
+        ids = self.gen.encode(prompt)
+        ctx = self.unpinned() if threads > 1 else contextlib.nullcontext()
+        with ctx:
+            tokens, stats, ttft, times = self.llama_cpp.generate(ids, params, self.gen.pair.eos_ids, threads)
+        return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
+                                stats=stats, ttft_s=ttft, emit_times=times)
+
+    def _hf(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        ids = self.gen.encode(prompt)
+        tokens, stats, ttft = self.hf[mode].generate(ids, params)
+        return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
+                                stats=stats, ttft_s=ttft, emit_times=[])

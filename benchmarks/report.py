@@ -1,0 +1,191 @@
+"""Bench results: per-mode tallies, the result rows (one per mode, temperature and concurrency), the report dict
+written as JSON, and the summary table printed after a run.
+
+Metric definitions are those of :mod:`spec_core.metrics`; see :mod:`benchmarks.bench` for how the runs are made.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from benchmarks.modes import LLAMA_CPP_MODES, TWO_THREAD_MODES, is_ar, runtime_of
+from spec_core.config import ModelConfig
+from spec_core.metrics import DecodeStats
+from verifier_service.api import GenerationResult
+
+if TYPE_CHECKING:
+    from benchmarks.bench import BenchSettings
+
+
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+def _itls(result: GenerationResult) -> list[float]:
+    """Inter-token latencies: gaps between consecutive emissions (tokens of one round share a timestamp)."""
+    times = result.emit_times
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass(slots=True)
+class ModeRuns:
+    stats: DecodeStats
+    per_run_tps: list[float]
+    ttfts: list[float]
+    itls: list[float]
+    outputs: dict[tuple[int, int], list[int]]
+
+    @staticmethod
+    def empty() -> ModeRuns:
+        return ModeRuns(DecodeStats(), [], [], [], {})
+
+    def add(self, key: tuple[int, int], result: GenerationResult) -> None:
+        """Tally one run (``key``: prompt index, repeat)."""
+        self.stats.merge(result.stats)
+        if result.stats.tokens_per_s:
+            self.per_run_tps.append(result.stats.tokens_per_s)
+        self.ttfts.append(result.ttft_s)
+        self.itls.extend(_itls(result))
+        self.outputs[key] = result.token_ids
+
+
+def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int, int], list[int]] | None,
+              ssd_extra: list[dict] | None = None) -> dict:
+    s = runs.stats
+    matches = None
+    if temp == 0 and reference is not None:
+        matches = all(runs.outputs[key] == reference[key] for key in runs.outputs)
+    tps = runs.per_run_tps
+    return {
+        "mode": mode,
+        "runtime": runtime_of(mode),
+        "concurrency": 1,
+        "temperature": temp,
+        "tokens_per_s": s.tokens_per_s,
+        "tokens_per_s_median_run": statistics.median(tps) if tps else None,
+        "tokens_per_s_min_run": min(tps) if tps else None,
+        "tokens_per_s_max_run": max(tps) if tps else None,
+        "ttft_s_p50": percentile(runs.ttfts, 50),
+        "itl_s_p50": percentile(runs.itls, 50),
+        "itl_s_p99": percentile(runs.itls, 99),
+        "mean_tokens_per_round": s.mean_tokens_per_round if not is_ar(mode) else 1.0,
+        "batching": "batch 1" if mode.startswith(("hf", "llama")) else None,
+        "target_threads": 2 if mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 else None,
+        "acceptance_rate": s.acceptance_rate,
+        "acceptance_by_position": s.acceptance_by_position() if not is_ar(mode) else None,
+        "cache_hit_rate": mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
+        "verifier_idle_fraction": mean([e["verifier_idle_fraction"] for e in ssd_extra or []
+                                        if e["verifier_idle_fraction"] is not None]),
+        "link_bytes_per_round": mean([e["link_bytes_per_round"] for e in ssd_extra or []
+                                      if e.get("link_bytes_per_round") is not None]),
+        "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
+        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and not is_ar(mode) else None,
+        "num_runs": len(tps),
+        "num_generated": s.num_generated,
+        "matches_target_greedy": matches,
+        "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def skipped_row(mode: str, temp: float, reason: str) -> dict:
+    """A mode that could not run here: every field of a result row (those of :func:`summarise`), empty, and why."""
+    row = dict.fromkeys(summarise(mode, temp, ModeRuns.empty(), None))
+    return {**row, "mode": mode, "runtime": runtime_of(mode), "concurrency": 1, "temperature": temp, "num_runs": 0,
+            "num_generated": 0, "skipped": reason}
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def build_report(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None, results: list[dict],
+                 assistant_tokens: int | None) -> dict:
+    """The report dict: hardware, settings (with the models, and hf-assisted-tuned's pick) and the result rows."""
+    return {
+        "hardware": hardware_info(),
+        "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
+                     "dtype": target.resolved_dtype, "device": target.device,
+                     "hf_assisted_tuned_num_assistant_tokens": assistant_tokens,
+                     "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
+        "results": list(results),
+    }
+
+
+def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference: dict, num_prompts: int) -> dict:
+    """The result row of one batched mode at concurrency ``c``, from its runs (those of
+    :func:`benchmarks.concurrent.run_concurrent`)."""
+    tps = [r["tokens_per_s"] for r in runs]
+    itls = [x for r in runs for x in r["itls"]]
+    matches = None
+    if temp == 0 and reference:
+        matches = all(r["outputs"][pi] == reference[(pi, 0)] for r in runs for pi in range(num_prompts))
+    return {
+        "mode": mode, "runtime": runtime_of(mode), "concurrency": c, "temperature": temp,
+        "tokens_per_s": statistics.median(tps), "tokens_per_s_median_run": statistics.median(tps),
+        "tokens_per_s_min_run": min(tps), "tokens_per_s_max_run": max(tps),
+        "ttft_s_p50": percentile([x for r in runs for x in r["ttfts"]], 50),
+        "itl_s_p50": percentile(itls, 50), "itl_s_p99": percentile(itls, 99),
+        "mean_tokens_per_round": mean([r["mean_tokens_per_round"] for r in runs if r["mean_tokens_per_round"]]),
+        "acceptance_rate": mean([r["acceptance_rate"] for r in runs if r["acceptance_rate"] is not None]),
+        "acceptance_by_position": None,
+        "cache_hit_rate": mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
+        "verifier_idle_fraction": None, "link_bytes_per_round": None,
+        "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else "")
+                     + (f", {c} streaming gRPC clients" if mode == "ssd-service" else "")),
+        "mean_batch_k": mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
+        "num_runs": len(runs),
+        "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,
+        "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def print_summary(report: dict) -> None:
+    out = sys.stdout
+    out.write(f"{'mode':<18}{'conc':>5}{'T':>5}{'tok/s':>10}{'x AR':>7}{'tok/round':>11}{'accept':>8}"
+              f"{'hit':>6}{'greedy=AR':>11}\n")
+    base = {(r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
+    for r in report["results"]:
+        if r.get("skipped"):
+            out.write(f"{r['mode']:<18}{r['concurrency']:>5}{r['temperature']:>5.2f}  skipped: {r['skipped']}\n")
+            continue
+        b = base.get((r["temperature"], r["concurrency"]))
+        ratio = r["tokens_per_s"] / b if b and r["tokens_per_s"] else None
+        acc, hit = r["acceptance_rate"], r["cache_hit_rate"]
+        out.write(
+            f"{r['mode']:<18}{r['concurrency']:>5}{r['temperature']:>5.2f}{r['tokens_per_s'] or 0:>10.1f}"
+            f"{(f'{ratio:.2f}' if ratio else '-'):>7}{r['mean_tokens_per_round'] or 0:>11.2f}"
+            f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{(f'{hit:.2f}' if hit is not None else '-'):>6}"
+            f"{str(r['matches_target_greedy']):>11}\n"
+        )
