@@ -55,6 +55,8 @@ class PairConfig:
     gpu_fraction: float = 1.0
     #: Both actors' device: "auto" (the actor's GPU if Ray gave it one, else cpu), "cpu", "cuda", "cuda:N".
     device: str = "auto"
+    #: Each KV pool's share of its device's free memory (None: fixed CPU sizes; a default share on a GPU).
+    kv_memory_fraction: float | None = None
     strategy: str = "PACK"
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
     placement_timeout_s: float = 60.0
@@ -66,11 +68,13 @@ class PairConfig:
                                     saguaro_c=self.saguaro_c, dtype=self.dtype, device=self.device, host=self.host,
                                     port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
                                     metrics_port=self.metrics_port, adaptive_k=self.adaptive_k,
-                                    backup_policy=self.backup_policy, **self.extra_verifier)
+                                    backup_policy=self.backup_policy, kv_memory_fraction=self.kv_memory_fraction,
+                                    **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)
-        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device=self.device, host="node-ip")
+        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device=self.device, host="node-ip",
+                                   kv_memory_fraction=self.kv_memory_fraction)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -24,6 +24,7 @@ from protos.serving import PeekQueue, ServerThread, add_health_and_reflection, s
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
 from spec_core.config import SSDConfig
+from spec_core.kv_budget import pool_blocks
 from spec_core.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class DrafterServerConfig:
     ssd: SSDConfig = field(default_factory=SSDConfig)
     dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
     device: str = "cpu"
+    #: The KV pool from free device memory (None: ``ssd.num_blocks`` on a CPU; a default fraction on a GPU).
+    kv_memory_fraction: float | None = None
     host: str = "127.0.0.1"
     port: int = 0
     hello_timeout_s: float = 30.0
@@ -99,8 +102,14 @@ class _Session:
 class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
     def __init__(self, runner: ModelRunner, config: DrafterServerConfig, vocab_hash: str) -> None:
         self.runner = runner
-        self.config = config
         ssd = config.ssd
+        gpu = runner.device.type == "cuda"
+        if config.kv_memory_fraction is not None or gpu:
+            blocks = pool_blocks(None, config.kv_memory_fraction, runner.kv_bytes_per_token(), ssd.block_size,
+                                 runner.device, ssd.num_blocks)
+            config = replace(config, ssd=replace(ssd, num_blocks=blocks))
+            logger.info("drafter KV pool: %d blocks of %d tokens", blocks, ssd.block_size)
+        self.config = config
         self.expected = codec.make_hello(vocab_hash, runner.vocab_size, ssd.k, ssd.fanout.budget,
                                          codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind))
         self.session: _Session | None = None

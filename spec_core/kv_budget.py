@@ -34,3 +34,18 @@ def blocks_for_memory(kv_bytes_per_token: int, block_size: int, device: torch.de
     if device.type != "cuda":
         budget = min(budget, cpu_cap_bytes)
     return max(min_blocks, int(budget // (kv_bytes_per_token * block_size)))
+
+
+#: The default share of a GPU's free memory each KV pool takes when no size is given (two actors may share one).
+GPU_DEFAULT_FRACTION = 0.4
+
+
+def pool_blocks(num_blocks: int | None, memory_fraction: float | None, kv_bytes_per_token: int, block_size: int,
+                device: torch.device, cpu_default: int) -> int:
+    """A pool's size: ``num_blocks`` if given; else from free memory (``memory_fraction``, or
+    :data:`GPU_DEFAULT_FRACTION` on a GPU); else, on a CPU with no fraction, ``cpu_default``."""
+    if num_blocks is not None:
+        return num_blocks
+    if memory_fraction is None and device.type != "cuda":
+        return cpu_default
+    return blocks_for_memory(kv_bytes_per_token, block_size, device, memory_fraction or GPU_DEFAULT_FRACTION)

@@ -34,6 +34,8 @@ def add_parsers(sub) -> None:
                    help="GPUs for the actors (auto: if the cluster has 2 x --gpu-fraction of them)")
     s.add_argument("--gpu-fraction", type=float, default=1.0,
                    help="each actor's share of a GPU: 1 = a GPU each, 0.5 = drafter and verifier on one GPU")
+    s.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="each KV pool's share of its device's free memory (default: 0.4 on a GPU; fixed on a CPU)")
     s.add_argument("--device", default="auto",
                    help="auto (the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N, for both actors")
     s.add_argument("--strategy", default="PACK", help="placement strategy: PACK | SPREAD | STRICT_SPREAD | ...")
@@ -88,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
                      max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
                      use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
-                     gpu_fraction=args.gpu_fraction, device=args.device,
+                     gpu_fraction=args.gpu_fraction, device=args.device, kv_memory_fraction=args.kv_memory_fraction,
                      metrics_port=args.metrics_port, adaptive_k=not args.fixed_k,
                      backup_policy=args.backup_policy,
                      extra_verifier={"auth_token_file": _abs(args.auth_token_file),

@@ -20,3 +20,19 @@ def test_blocks_follow_the_fraction_and_the_cpu_cap():
     assert free_bytes(cpu) > 0
     with pytest.raises(ValueError, match="memory_fraction"):
         blocks_for_memory(per_token, 16, cpu, 0.0)
+
+
+def test_pool_size_precedence():
+    from spec_core.kv_budget import pool_blocks
+
+    cpu = torch.device("cpu")
+    assert pool_blocks(100, 0.5, 1000, 16, cpu, 2048) == 100  # an explicit size wins
+    assert pool_blocks(None, None, 1000, 16, cpu, 2048) == 2048  # a CPU without a fraction keeps its default
+    assert pool_blocks(None, 0.001, 1000, 16, cpu, 2048) == blocks_for_memory(1000, 16, cpu, 0.001)
+
+
+def test_verifier_config_refuses_a_bad_fraction():
+    from verifier_service.server import VerifierServerConfig
+
+    with pytest.raises(ValueError, match="kv_memory_fraction"):
+        VerifierServerConfig("unused", kv_memory_fraction=1.5)

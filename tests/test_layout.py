@@ -91,3 +91,28 @@ def test_layout_check_catches_a_cross_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from drafter_service.process import PipeLink\n")
     assert "drafter_service.process" in _imported_modules(f)
+
+
+def _sources():
+    skip = ("assets", ".venv")
+    for folder in ("spec_core", "verifier_service", "drafter_service", "cluster", "protos", "benchmarks", "ssd_cli",
+                   "k8s", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if not any(s in path.parts for s in skip) and not path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                yield path
+
+
+def test_small_files_and_functions():
+    """No file over 400 lines; no function over 60 lines, except the CLI's argument parser."""
+    import ast
+
+    long_files, long_funcs = [], []
+    for path in _sources():
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > 400:
+            long_files.append(str(path.relative_to(ROOT)))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name != "build_parser":
+                if node.end_lineno - node.lineno + 1 > 60:
+                    long_funcs.append(f"{path.relative_to(ROOT)}::{node.name}")
+    assert not long_files and not long_funcs, (long_files, long_funcs)

@@ -20,6 +20,7 @@ from spec_core import chat
 from spec_core.chat import Prompt
 from spec_core.config import MODES, ModelConfig
 from spec_core.fanout import FanoutConfig
+from spec_core.kv_budget import pool_blocks
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
@@ -44,8 +45,10 @@ class VerifierServerConfig:
     wait_fraction: float = 0.5
     max_num_seqs: int = 16
     max_queue: int = 64
-    num_blocks: int = 2048
+    #: KV pool size in blocks; None: from free device memory (``kv_memory_fraction``; on a CPU without one, 2048)
+    num_blocks: int | None = None
     block_size: int = 16
+    kv_memory_fraction: float | None = None
     host: str = "127.0.0.1"
     port: int = 0
     drain_grace_s: float = 30.0
@@ -75,6 +78,8 @@ class VerifierServerConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.max_queue < 1 or self.max_num_seqs < 1:
             raise ValueError("max_queue and max_num_seqs must be >= 1")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
 
 
 def c_k(config: VerifierServerConfig) -> int:
@@ -150,10 +155,16 @@ class VerifierServer:
         elif c.mode == "sd":
             from spec_core.draft_engine import BatchDrafter, DraftConfig
 
-            proposer = BatchDrafter(self.pair.draft, DraftConfig(k=c.k, num_blocks=c.num_blocks,
-                                                                 block_size=c.block_size))
+            draft = self.pair.draft
+            blocks = pool_blocks(c.num_blocks, c.kv_memory_fraction, draft.kv_bytes_per_token(), c.block_size,
+                                 draft.device, 2048)
+            proposer = BatchDrafter(draft, DraftConfig(k=c.k, num_blocks=blocks, block_size=c.block_size))
         sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_spec_nodes=max(1, c.k * branching))
-        engine = VerifierEngine(self.pair.target, EngineConfig(c.num_blocks, c.block_size, sched), drafter=proposer,
+        target = self.pair.target
+        blocks = pool_blocks(c.num_blocks, c.kv_memory_fraction, target.kv_bytes_per_token(), c.block_size,
+                             target.device, 2048)
+        logger.info("verifier KV pool: %d blocks of %d tokens", blocks, c.block_size)
+        engine = VerifierEngine(target, EngineConfig(blocks, c.block_size, sched), drafter=proposer,
                                 k=c.k if proposer is not None else 0)
         if c.adaptive_k and proposer is not None:
             from verifier_service.adaptive import AdaptiveK
