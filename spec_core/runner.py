@@ -36,7 +36,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core.model_paths import resolve_model
-from spec_core.quant import Int8Weight, matmul, nbytes, quantize_int8
+from spec_core.quant import Int8Weight, LinearWeight, matmul, nbytes, quantize_int8
 from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -110,32 +110,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _t(w: torch.Tensor) -> torch.Tensor:
     """Store a Linear weight transposed (``[in, out]``, contiguous): ``x @ w_t`` is markedly faster than
-    ``F.linear(x, w)`` for the few-row products of decoding on CPU (about 2x for the LM head)."""
+    ``F.linear(x, w)`` for the few-row products of decoding on CPU in fp32 (about 2x for the LM head)."""
     return w.t().contiguous()
+
+
+def dense_layout(w: torch.Tensor) -> torch.Tensor | LinearWeight:
+    """The layout a ``[out, in]`` weight (already in its compute dtype) is multiplied in: transposed for fp32,
+    ``nn.Linear``'s own for bf16/fp16 (see :class:`spec_core.quant.LinearWeight`)."""
+    if w.dtype in (torch.bfloat16, torch.float16):
+        return LinearWeight(w.contiguous())
+    return _t(w)
 
 
 class Layer:
     """One decoder layer's weights (transposed), with q/k/v and gate/up fused for fewer kernel calls.
 
-    Built from the host checkpoint ``w``, whose entries it consumes (pops); ``place`` moves each finished matrix to
-    the device in the compute dtype, so the device never holds a layer twice (unfused and fused).
+    Built from the host checkpoint ``w``, whose entries it consumes (pops); ``place`` moves a tensor to the device
+    in the compute dtype, and each fused matrix is placed once finished, so the device never holds a layer twice.
     """
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec, place) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         take = w.pop
-        self.qkv = place(_t(torch.cat([take(f"{a}.q_proj.weight"), take(f"{a}.k_proj.weight"),
-                                       take(f"{a}.v_proj.weight")])))
+
+        def dense(t: torch.Tensor):
+            return dense_layout(place(t))
+
+        self.qkv = dense(torch.cat([take(f"{a}.q_proj.weight"), take(f"{a}.k_proj.weight"),
+                                    take(f"{a}.v_proj.weight")]))
         self.qkv_bias = (
             place(torch.cat([take(f"{a}.q_proj.bias"), take(f"{a}.k_proj.bias"), take(f"{a}.v_proj.bias")]))
             if spec.qkv_bias else None
         )
-        self.o = place(_t(take(f"{a}.o_proj.weight")))
+        self.o = dense(take(f"{a}.o_proj.weight"))
         q_norm, k_norm = w.pop(f"{a}.q_norm.weight", None), w.pop(f"{a}.k_norm.weight", None)
         self.q_norm = place(q_norm) if q_norm is not None else None
         self.k_norm = place(k_norm) if k_norm is not None else None
-        self.gate_up = place(_t(torch.cat([take(f"{m}.gate_proj.weight"), take(f"{m}.up_proj.weight")])))
-        self.down = place(_t(take(f"{m}.down_proj.weight")))
+        self.gate_up = dense(torch.cat([take(f"{m}.gate_proj.weight"), take(f"{m}.up_proj.weight")]))
+        self.down = dense(take(f"{m}.down_proj.weight"))
         self.ln_attn = place(take(f"{prefix}.input_layernorm.weight"))
         self.ln_mlp = place(take(f"{prefix}.post_attention_layernorm.weight"))
 
@@ -247,7 +259,7 @@ class ModelRunner:
         head = self.embed if self.spec.tie_embeddings or head_raw is None else place(head_raw)
         if self.token_map is not None:
             head = head[self.token_map]
-        self.lm_head = _t(head)
+        self.lm_head = dense_layout(head)
         if weights == "int8":
             self.lm_head = quantize_int8(self.lm_head)
         self.norm = place(raw.pop("model.norm.weight"))
@@ -263,6 +275,9 @@ class ModelRunner:
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
         self.cos = cos[0].to(device=self.device, dtype=dtype)
         self.sin = sin[0].to(device=self.device, dtype=dtype)
+        #: CPU attention over bf16/fp16 K/V runs in fp32: torch's half-precision CPU attention kernel is several
+        #: times slower for decode rows (200 us against 45 us per layer here), and fp32 is the more exact of the two.
+        self.attention_in_fp32 = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self.q_size = self.spec.num_heads * self.spec.head_dim
         self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
 
@@ -270,7 +285,7 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def weight_matrices(self) -> list[torch.Tensor | Int8Weight]:
+    def weight_matrices(self) -> list[torch.Tensor | LinearWeight | Int8Weight]:
         """Every weight matrix one decode step multiplies by (``[in, out]``), in order: what a token must read."""
         mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return mats + [self.lm_head]
@@ -362,12 +377,7 @@ class ModelRunner:
         h = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
-            if layer.qkv_bias is None:
-                qkv = matmul(x, layer.qkv)
-            elif isinstance(layer.qkv, Int8Weight):
-                qkv = matmul(x, layer.qkv) + layer.qkv_bias
-            else:
-                qkv = torch.addmm(layer.qkv_bias, x.flatten(0, 1), layer.qkv).view(bsz, t, -1)
+            qkv = matmul(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(bsz, t, spec.num_heads, spec.head_dim)
             k = k.view(bsz, t, spec.num_kv_heads, spec.head_dim)
@@ -378,7 +388,11 @@ class ModelRunner:
             k = apply_rope(k.transpose(1, 2), cos, sin)
             v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
             keys, values = store(li, k, v)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
+            if self.attention_in_fp32:
+                attn = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask4,
+                                                      enable_gqa=True).to(q.dtype)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
             h = h + matmul(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
             x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
             gate, up = matmul(x, layer.gate_up).chunk(2, dim=-1)
