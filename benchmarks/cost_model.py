@@ -44,14 +44,21 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int, wa
 
 
 def time_forward(runner: ModelRunner, context: int, new_tokens: int, repeats: int = 200) -> float:
-    """Median seconds of one forward over ``new_tokens`` tokens after ``context`` cached tokens."""
+    """Median seconds of one engine forward (packing, upload, paged forward) over ``new_tokens`` tokens after
+    ``context`` cached tokens: the verifier engine's own path (:func:`spec_core.packing.forward_items`)."""
+    from spec_core.packing import WorkItem, forward_items
+
     dev = runner.device
-    cache = runner.new_cache(1, context + new_tokens + 1)
-    runner.forward(cache, torch.randint(0, runner.vocab_size, (1, context), device=dev),
-                   torch.arange(context, device=dev)[None])
-    ids = torch.randint(0, runner.vocab_size, (1, new_tokens), device=dev)
-    pos = torch.arange(context, context + new_tokens, device=dev)[None]
-    return median_time(lambda: runner.forward(cache, ids, pos), dev, repeats)
+    block = 16
+    cache = runner.new_paged_cache(-(-(context + new_tokens + 1) // block), block)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist()
+    forward_items(runner, cache, [WorkItem([], prompt, list(range(context)), list(range(context)), context, [],
+                                           [context - 1])])
+    new = torch.randint(0, runner.vocab_size, (new_tokens,), generator=gen).tolist()
+    span = list(range(context, context + new_tokens))
+    item = WorkItem(list(range(context)), new, span, span, new_tokens, [], list(range(new_tokens)))
+    return median_time(lambda: forward_items(runner, cache, [item]), dev, repeats)
 
 
 @torch.inference_mode()
