@@ -121,6 +121,8 @@ def test_serve_exports_prometheus_metrics(served) -> None:
         assert name in text, name
     count = [line for line in text.splitlines() if line.startswith("ssd_time_to_first_token_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
+    crossed = [line for line in text.splitlines() if line.startswith("ssd_host_device_crossings_total")]
+    assert crossed and float(crossed[0].split()[-1]) >= 2  # at least one step: one upload, one download
 
 
 def test_client_cli_json_chat_and_sigterm(served, real_reference) -> None:

@@ -58,6 +58,8 @@ class ServiceMetrics:
                                 buckets=_LATENCY_BUCKETS, registry=r)
         self.draft = Histogram("ssd_draft_seconds", "Time the verifier spent obtaining speculations per step",
                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.crossings = Counter("ssd_host_device_crossings", "Host<->device crossings of the verifier's own step "
+                                 "work (uploads + downloads; the proposer's are its own)", registry=r)
         self.requests = Counter("ssd_requests", "Finished requests", ["finish_reason"], registry=r)
         self.tokens = Counter("ssd_generated_tokens", "Generated tokens", registry=r)
         self.server = None
@@ -70,9 +72,10 @@ class ServiceMetrics:
         self.requests.labels(finish_reason or "unknown").inc()
         self.tokens.inc(len(emit_times))
 
-    def observe_step(self, verify_s: float, draft_s: float) -> None:
+    def observe_step(self, verify_s: float, draft_s: float, crossings: int = 0) -> None:
         self.verify.observe(verify_s)
         self.draft.observe(draft_s)
+        self.crossings.inc(crossings)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP exposition endpoint (``/metrics``); returns the bound port."""

@@ -165,7 +165,7 @@ class EngineLoop:
                     self._fail_all(f"internal error in the verifier: {exc}")
                     continue
                 if self.metrics is not None:
-                    self.metrics.observe_step(m.forward_s - f0, m.draft_s - d0)
+                    self.metrics.observe_step(m.forward_s - f0, m.draft_s - d0, m.last_step_crossings)
                 self._publish()
             else:
                 self._wake.wait(0.05)
