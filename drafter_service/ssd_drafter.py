@@ -40,6 +40,7 @@ from spec_core.sampling import request_probs, saguaro_downweight, sample_from_pr
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, Speculation
 from spec_core.transfer import to_device, to_host
+from spec_core.tree_draft import DraftRow, draft_trees
 
 logger = logging.getLogger(__name__)
 
@@ -140,31 +141,23 @@ class SSDDrafter:
         return specs
 
     def _draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:
-        toks: list[list[int]] = [[] for _ in reqs]
-        rows: list[list[torch.Tensor]] = [[] for _ in reqs]
-        ks = [r.k if self._reserve(r, r.seq.num_tokens + r.k + 1) else 0 for r in reqs]
-        for step in range(max(ks)):
-            live = [i for i, k in enumerate(ks) if k > step]
-            items = []
-            for i in live:
-                r = reqs[i]
-                rid, n = r.seq.request_id, r.seq.num_tokens
-                if step == 0:
-                    c = r.num_computed
-                    chunk, start = r.seq.token_ids[c:], c
-                else:
-                    chunk, start = [toks[i][-1]], n + step - 1
-                items.append(WorkItem(self._slots(rid, 0, start), chunk, list(range(start, start + len(chunk))),
-                                      self._slots(rid, start, start + len(chunk)), len(chunk), [], [len(chunk) - 1]))
-            logits = self._forward(items)
-            for j, i in enumerate(live):
-                tok, q = self._pick(reqs[i], logits[j, 0])
-                toks[i].append(tok)
-                if q is not None:
-                    rows[i].append(q)
-            for i in live:
-                reqs[i].num_computed = reqs[i].seq.num_tokens + step
-        return [Speculation(t, torch.stack(r) if r else None, source="jit") for t, r in zip(toks, rows)]
+        """A chain (a one-branch tree, :func:`spec_core.tree_draft.draft_trees`) of K tokens per request that fits
+        in the pool (an empty draft otherwise: the verifier then decodes one token)."""
+        out = [Speculation([], None, source="jit") for _ in reqs]
+        live = [i for i, r in enumerate(reqs) if r.k > 0 and self._reserve(r, r.seq.num_tokens + r.k + 1)]
+        if not live:
+            return out
+        rows = [DraftRow(reqs[i].seq.token_ids, reqs[i].num_computed, reqs[i].k,
+                         lambda a, b, rid=reqs[i].seq.request_id: self._slots(rid, a, b)) for i in live]
+
+        def sample(idx: list[int], logits: torch.Tensor, width: int, root: bool):
+            return [self._pick_rows(reqs[live[j]], logits[p, :width]) for p, j in enumerate(idx)]
+
+        for i, tree in zip(live, draft_trees(self.runner, self.cache, rows, 1, sample)):
+            r = reqs[i]
+            r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
+            out[i] = Speculation(tree.token_ids, torch.stack(tree.q_rows) if tree.q_rows else None, source="jit")
+        return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
     def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:

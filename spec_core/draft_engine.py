@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from spec_core.block_manager import BlockManager, NoFreeBlocks
-from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
+from spec_core.packing import reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
 from spec_core.transfer import to_host
 from spec_core.tree import TokenTree
+from spec_core.tree_draft import DraftRow, draft_trees
 
 logger = logging.getLogger(__name__)
 
@@ -85,64 +86,36 @@ class BatchDrafter:
         self.draft_s += time.perf_counter() - t0
         return trees
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, width: int, root: bool):
-        """Pick ``width`` tokens per request from ``logits [B, W, V]``; returns (probs or None, picks).
+    def _sampler(self, seqs: list[Sequence]):
+        """The :data:`spec_core.tree_draft.Sampler` of SD: plain q per request; greedy requests take the top
+        ``width`` tokens at the root and the argmax below, and need no distributions (the verifier checks argmax
+        only). Sampled requests draw the root children i.i.d. (SpecInfer's rule samples with replacement)."""
 
-        Greedy requests need no distributions (the verifier checks argmax only), so none are computed for them.
-        """
-        greedy = [s.params.greedy for s in seqs]
-        probs = None if all(greedy) else request_probs(logits, [s.params for s in seqs])
-        picks = torch.topk(logits[:, 0], width).indices if root else logits[:, :width].argmax(-1)
-        for i, seq in enumerate(seqs):
-            if not greedy[i]:
-                src = probs[i, :1].expand(width, -1) if root else probs[i, :width]
-                picks[i] = sample_from_probs(src, seq.uniforms(width))
-        return probs, to_host(picks)  # one download for the whole batch
+        def sample(rows: list[int], logits: torch.Tensor, width: int, root: bool):
+            sub = [seqs[i] for i in rows]
+            greedy = [s.params.greedy for s in sub]
+            probs = None if all(greedy) else request_probs(logits, [s.params for s in sub])
+            picks = torch.topk(logits[:, 0], width).indices if root else logits[:, :width].argmax(-1)
+            qs: list[torch.Tensor | None] = []
+            for j, seq in enumerate(sub):
+                if greedy[j]:
+                    qs.append(None)
+                    continue
+                q = probs[j, :1].expand(width, -1) if root else probs[j, :width]
+                picks[j] = sample_from_probs(q, seq.uniforms(width))
+                qs.append(q)
+            return list(zip(to_host(picks), qs))  # one download for the whole level
+
+        return sample
 
     def _propose_trees(self, seqs: list[Sequence], ks: list[int]) -> list[TokenTree]:
-        b = self.config.branching
-        n = [s.num_tokens for s in seqs]
-        # Level 0: catch up on pending tokens (prompt or last accepted ones) and read the root distribution.
-        items = []
-        for s, ni in zip(seqs, n):
-            c = s.num_draft_computed
-            slots = self._slots(s)
-            items.append(WorkItem(slots(0, c), s.token_ids[c:], list(range(c, ni)), slots(c, ni), ni - c, [],
-                                  [ni - c - 1]))
-        logits = forward_items(self.runner, self.cache, items)
-        for s, ni in zip(seqs, n):
-            s.num_draft_computed = ni
-        probs, picks = self._sample(seqs, logits, b, root=True)
-        parents = [[-1] * b for _ in seqs]
-        tokens = [list(p) for p in picks]
-        rows: list[list[torch.Tensor]] = [[probs[i, 0]] * b if probs is not None else [] for i in range(len(seqs))]
-        for depth in range(1, max(ks)):
-            live = [i for i, k in enumerate(ks) if k > depth]
-            items = []
-            for i in live:
-                s, ni = seqs[i], n[i]
-                slots = self._slots(s)
-                fed = list(range((depth - 1) * b, depth * b))
-                earlier = list(range(0, (depth - 1) * b))
-                extra_mask = (torch.arange(len(earlier)) % b)[None, :] == (torch.arange(len(fed)) % b)[:, None]
-                items.append(WorkItem(
-                    slots(0, ni), [tokens[i][f] for f in fed], [ni - 1 + depth] * b,
-                    [slots(ni + f, ni + f + 1)[0] for f in fed], 0, [-1] * b, list(range(b)),
-                    extra_slots=[slots(ni + e, ni + e + 1)[0] for e in earlier],
-                    extra_mask=extra_mask.view(b, len(earlier)),
-                ))
-            logits = forward_items(self.runner, self.cache, items)
-            sub = [seqs[i] for i in live]
-            probs, picks = self._sample(sub, logits, b, root=False)
-            for j, i in enumerate(live):
-                for f in range(b):
-                    parents[i].append((depth - 1) * b + f)
-                    tokens[i].append(picks[j][f])
-                    if probs is not None:
-                        rows[i].append(probs[j, f])
-        return [TokenTree(parents=parents[i], token_ids=tokens[i],
-                          draft_probs=None if seqs[i].params.greedy else torch.stack(rows[i]))
-                for i in range(len(seqs))]
+        rows = [DraftRow(s.token_ids, s.num_draft_computed, k, self._slots(s)) for s, k in zip(seqs, ks)]
+        drafted = draft_trees(self.runner, self.cache, rows, self.config.branching, self._sampler(seqs))
+        for s in seqs:
+            s.num_draft_computed = s.num_tokens  # level 0 fed the pending tokens; the nodes stay speculative
+        return [TokenTree(parents=d.parents, token_ids=d.token_ids,
+                          draft_probs=None if s.params.greedy else torch.stack(d.q_rows))
+                for s, d in zip(seqs, drafted)]
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int = 0) -> None:
         """Keep the draft K/V of the real outcome: ``x[0..n-1]`` plus the accepted nodes the draft already fed.

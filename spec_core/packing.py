@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_core.runner import ModelRunner, PagedBatch, PagedKVCache
+from spec_core.kv_cache import PagedBatch, PagedKVCache
+from spec_core.runner import ModelRunner
 from spec_core.transfer import to_device
 
 

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import resolve_model
 from spec_core.quant import Int8Weight, LinearWeight, matmul, nbytes, quantize_int8
 from spec_core.transfer import to_device
@@ -167,67 +168,6 @@ def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         weights.update(load_file(str(path / name)))
     return weights
-
-
-class KVCache:
-    """Preallocated K/V tensors: ``[num_layers, max_rows, num_kv_heads, max_len, head_dim]`` each."""
-
-    def __init__(self, spec: ArchSpec, max_rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (spec.num_layers, max_rows, spec.num_kv_heads, max_len, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_rows = max_rows
-        self.max_len = max_len
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-class PagedKVCache:
-    """A pool of K/V slots: ``[num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim]`` each.
-
-    The extra last slot is scratch: padded batch entries write there and are never attended.
-    """
-
-    def __init__(self, spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_slots = num_blocks * block_size
-        shape = (spec.num_layers, self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.num_slots
-
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Move K/V between slots (KV reconciliation after a tree verification)."""
-        if src == dst:
-            return
-        s, d = to_device([src, dst], self.k.device, torch.long)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
-
-
-@dataclass(slots=True)
-class PagedBatch:
-    """A packed ragged batch for :meth:`ModelRunner.forward_paged`; padding is explicit.
-
-    input_ids, positions, write_slots: ``[B, T]`` (pad entries write the scratch slot).
-    kv_slots: ``[B, S]`` physical slots each row attends, in any order (pad = scratch).
-    attn_mask: ``[B, T, S]`` bool; every query row must see at least one slot (pads see their own scratch).
-    logits_index: ``[B, T']`` rows of T whose logits are returned (None = all).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    write_slots: torch.Tensor
-    kv_slots: torch.Tensor
-    attn_mask: torch.Tensor
-    logits_index: torch.Tensor | None = None
 
 
 class ModelRunner:

@@ -83,14 +83,19 @@ class FullVocabQDrafter(BatchDrafter):
         self.inside = torch.zeros(full_runner.vocab_size, dtype=torch.bool)
         self.inside[token_map] = True
 
-    def _sample(self, seqs, logits, width, root):
-        q_full = request_probs(logits, [s.params for s in seqs])
-        q_map = q_full * self.inside
-        tokens = []
-        for i, seq in enumerate(seqs):
-            src = q_map[i, :1].expand(width, -1) if root else q_map[i, :width]
-            tokens.append(sample_from_probs(src, seq.uniforms(width)).tolist())
-        return q_full, tokens
+    def _sampler(self, seqs):
+        def sample(rows, logits, width, root):
+            sub = [seqs[i] for i in rows]
+            q_full = request_probs(logits, [s.params for s in sub])
+            q_map = q_full * self.inside
+            out = []
+            for j, seq in enumerate(sub):
+                src = q_map[j, :1].expand(width, -1) if root else q_map[j, :width]
+                shipped = q_full[j, :1].expand(width, -1) if root else q_full[j, :width]
+                out.append((sample_from_probs(src, seq.uniforms(width)).tolist(), shipped))
+            return out
+
+        return sample
 
 
 def _sd_samples(target: ModelRunner, drafter: BatchDrafter) -> torch.Tensor:
