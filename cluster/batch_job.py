@@ -31,10 +31,11 @@ def result_row(rid: str, res: pb.GenerateResult) -> dict:
 
 
 def run_batch_on_ray(address: str | None, rows: list, output_path: Path, settings: BatchSettings,
-                     target_path: str, draft_path: str) -> dict:
-    """``rows``: the requests from :func:`verifier_service.batch_requests.read_requests`."""
+                     target_path: str, draft_path: str, dtype: str = "auto", device: str = "auto") -> dict:
+    """``rows``: the requests from :func:`verifier_service.batch_requests.read_requests`; ``dtype`` and
+    ``device`` reach both actors (``auto``: each actor's GPU if Ray gave it one)."""
     ray.init(address=address or "auto", logging_level=logging.WARNING)
-    cfg = PairConfig(target_path, draft_path, k=settings.k, host="node-ip", port=0,
+    cfg = PairConfig(target_path, draft_path, k=settings.k, host="node-ip", port=0, dtype=dtype, device=device,
                      max_num_seqs=settings.concurrency, max_queue=max(64, settings.concurrency))
     dep = launch(cfg)
     try:

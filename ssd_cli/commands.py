@@ -117,7 +117,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.mode == "ssd" and ray_address and not args.local:
         from cluster.batch_job import run_batch_on_ray
 
-        summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, target.path, draft.path)
+        device = target.device if target.device.startswith("cuda") else "auto"  # cpu: let each actor choose
+        summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, target.path, draft.path,
+                                   dtype=target.dtype, device=device)
     else:
         from cluster.offline_batch import run_batch
         from spec_core.models import load_pair, set_threads
@@ -167,8 +169,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     pair = default_pair()
     for path in pair.values():
         check_model_dir(path)
-    target = ModelConfig(pair["target"], dtype=args.dtype)
-    gen = Generator(target, ModelConfig(pair["draft"], dtype=args.dtype), k=args.k)
+    target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
+    gen = Generator(target, ModelConfig(pair["draft"], dtype=args.dtype, device=args.device), k=args.k)
     prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up

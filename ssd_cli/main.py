@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 (default auto)")
+    d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
     b.add_argument("--modes", default="ar,sd")
