@@ -55,8 +55,8 @@ class DrafterActor:
     def __init__(self, config: DrafterServerConfig, core: int | None = None) -> None:
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
-        self.server = DrafterServer(replace(config, host=host, device=device if config.device == "auto"
-                                            else config.device))
+        draft = config.draft if config.draft.device != "auto" else replace(config.draft, device=device)
+        self.server = DrafterServer(replace(config, host=host, draft=draft))
         self.server.start()
 
     def address(self) -> str:
@@ -87,10 +87,10 @@ class VerifierActor:
         constructor arguments must stay valid for its whole life."""
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
-        self.server = VerifierServer(replace(config, host=host,
-                                             device=device if config.device == "auto" else config.device))
+        target = config.target if config.target.device != "auto" else replace(config.target, device=device)
+        self.server = VerifierServer(replace(config, host=host, target=target))
         resolver, drafter_address = None, None
-        if drafter is not None and config.mode == "ssd":
+        if drafter is not None and config.spec.mode == "ssd":
             handle = ray.get_actor(drafter, namespace=namespace)
             resolver = lambda: ray.get(handle.address.remote(), timeout=10)  # noqa: E731
             drafter_address = ray.get(handle.address.remote(), timeout=connect_timeout_s)

@@ -22,8 +22,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
-from spec_core.config import SSDConfig
+from spec_core.config import CacheConfig, ModelConfig, SpeculationConfig, SSDConfig
 from spec_core.fanout import FanoutConfig
+from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
 
 logger = logging.getLogger(__name__)
@@ -64,16 +65,17 @@ class PairConfig:
     extra_verifier: dict = field(default_factory=dict)
 
     def verifier_config(self) -> VerifierServerConfig:
-        return VerifierServerConfig(self.target_path, mode="ssd", k=self.k, budget=self.budget,
-                                    saguaro_c=self.saguaro_c, dtype=self.dtype, device=self.device, host=self.host,
-                                    port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
-                                    metrics_port=self.metrics_port, adaptive_k=self.adaptive_k,
-                                    backup_policy=self.backup_policy, kv_memory_fraction=self.kv_memory_fraction,
+        spec = SpeculationConfig(mode="ssd", k=self.k, budget=self.budget, saguaro_c=self.saguaro_c,
+                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy)
+        return VerifierServerConfig(ModelConfig(self.target_path, self.dtype, self.device), spec=spec,
+                                    cache=CacheConfig(kv_memory_fraction=self.kv_memory_fraction),
+                                    scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs), host=self.host,
+                                    port=self.port, max_queue=self.max_queue, metrics_port=self.metrics_port,
                                     **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)
-        return DrafterServerConfig(self.draft_path, ssd, dtype=self.dtype, device=self.device, host="node-ip",
+        return DrafterServerConfig(ModelConfig(self.draft_path, self.dtype, self.device), ssd, host="node-ip",
                                    kv_memory_fraction=self.kv_memory_fraction)
 
 

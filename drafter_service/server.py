@@ -23,7 +23,7 @@ from protos import codec
 from protos.serving import PeekQueue, ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
-from spec_core.config import SSDConfig
+from spec_core.config import ModelConfig, SSDConfig
 from spec_core.kv_budget import pool_blocks
 from spec_core.runner import ModelRunner
 
@@ -33,10 +33,11 @@ SERVICE = "ssd.v1.Drafter"
 
 @dataclass(frozen=True, slots=True)
 class DrafterServerConfig:
-    draft_path: str
+    """The drafter service, composed from its parts: the draft model, the SSD drafter (speculation and its KV
+    pool), then the server's own settings."""
+
+    draft: ModelConfig
     ssd: SSDConfig = field(default_factory=SSDConfig)
-    dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
-    device: str = "cpu"
     #: The KV pool from free device memory (None: ``ssd.num_blocks`` on a CPU; a default fraction on a GPU).
     kv_memory_fraction: float | None = None
     host: str = "127.0.0.1"
@@ -145,7 +146,7 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
                                 "drafter/verifier mismatch: " + "; ".join(problems))
         session = await self._replace_session(first.hello)
         yield pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
-                                                model=self.config.draft_path, device=str(self.runner.device)))
+                                                model=self.config.draft.path, device=str(self.runner.device)))
         reader = asyncio.create_task(self._read(it, session))
         try:
             while True:
@@ -179,8 +180,9 @@ class DrafterServer:
         from spec_core.models import load_tokenizer, vocab_hash
 
         self.config = config
-        path = check_model_dir(config.draft_path)
-        self.runner = ModelRunner(path, dtype=parse_dtype(config.dtype, config.device), device=config.device)
+        m = config.draft
+        path = check_model_dir(m.path)
+        self.runner = ModelRunner(path, dtype=parse_dtype(m.dtype, m.device), device=m.device)
         self.vocab_hash = vocab_hash(load_tokenizer(path))
         self.servicer = DrafterServicer(self.runner, config, self.vocab_hash)
         self.thread: ServerThread | None = None

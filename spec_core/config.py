@@ -150,3 +150,47 @@ class SSDConfig:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if not 0 < self.saguaro_c <= 1:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """A KV pool: ``num_blocks`` blocks of ``block_size`` tokens; ``num_blocks`` None sizes it from the device's
+    free memory (``kv_memory_fraction``; on a CPU without a fraction, the service's fixed default)."""
+
+    num_blocks: int | None = None
+    block_size: int = 16
+    kv_memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or (self.num_blocks is not None and self.num_blocks <= 0):
+            raise ValueError(f"block_size and num_blocks must be > 0, got {self.block_size}, {self.num_blocks}")
+        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """How the verifier speculates: the mode, K, the SSD drafter's fan-out budget and Saguaro C (which the
+    handshake checks), the backup on a miss, and whether K adapts per step to measured costs."""
+
+    mode: str = "ssd"
+    k: int = 2
+    budget: int = FanoutConfig().budget
+    saguaro_c: float = 1.0
+    fanout: str = "geometric"
+    backup: str = "ngram"
+    wait_fraction: float = 0.5
+    backup_policy: str = "auto"
+    #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
+    adaptive_k: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.k < 0:
+            raise ValueError(f"k must be >= 0, got {self.k}")
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens per round: K, or 0 in AR mode."""
+        return self.k if self.mode != "ar" else 0

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 
@@ -112,10 +112,10 @@ def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, g
 def test_slow_drafter_never_stalls_the_verifier(toy_pair, greedy_reference) -> None:
     """Every drafter step is 0.3 s late (about 20 verifies). The verifier waits for a just-in-time draft on every
     miss (``neural`` policy, the worst case) but never past wait_fraction × a verify, then takes the backup."""
-    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2), inject_delay_s=0.3))
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2), inject_delay_s=0.3))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, backup_policy="neural",
-                                                 wait_fraction=0.5, adaptive_k=False))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(
+        k=2, backup_policy="neural", wait_fraction=0.5, adaptive_k=False)))
     try:
         address = server.start(drafter.address)
         with SSDClient(address) as client:

@@ -12,7 +12,7 @@ import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos.ssd.v1 import ssd_pb2 as pb
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 
@@ -21,9 +21,10 @@ ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
 
 @pytest.fixture(scope="module")
 def served(toy_pair):
-    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=64))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2),
+                                                 max_queue=64))
     address = server.start(drafter.address)
     yield server, drafter, address
     server.stop()

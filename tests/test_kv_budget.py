@@ -31,8 +31,8 @@ def test_pool_size_precedence():
     assert pool_blocks(None, 0.001, 1000, 16, cpu, 2048) == blocks_for_memory(1000, 16, cpu, 0.001)
 
 
-def test_verifier_config_refuses_a_bad_fraction():
-    from verifier_service.server import VerifierServerConfig
+def test_cache_config_refuses_a_bad_fraction():
+    from spec_core.config import CacheConfig
 
     with pytest.raises(ValueError, match="kv_memory_fraction"):
-        VerifierServerConfig("unused", kv_memory_fraction=1.5)
+        CacheConfig(kv_memory_fraction=1.5)

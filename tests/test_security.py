@@ -11,7 +11,7 @@ import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos.security import TLSFiles
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.drafter_link import GrpcDrafterLink, HandshakeError
 from verifier_service.server import VerifierServer, VerifierServerConfig
@@ -41,7 +41,7 @@ def pki(tmp_path_factory) -> Path:
 
 def test_tls_and_bearer_token(toy_pair, pki, caplog, greedy_reference) -> None:
     caplog.set_level(logging.DEBUG)
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0,
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig("ar", 0),
                                                  auth_token_file=str(pki / "token"),
                                                  tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key")))
     address = server.start()
@@ -74,11 +74,11 @@ def plain_request():
 
 def test_mutual_tls_between_drafter_and_verifier(toy_pair, pki, greedy_reference) -> None:
     drafter_tls = TLSFiles(str(pki / "server.pem"), str(pki / "server.key"), ca=str(pki / "ca.pem"))
-    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2), tls=drafter_tls))
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2), tls=drafter_tls))
     drafter.start()
     try:
         client_tls = TLSFiles(str(pki / "client.pem"), str(pki / "client.key"), ca=str(pki / "ca.pem"))
-        server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2,
+        server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2),
                                                      internal_tls=client_tls))
         address = server.start(drafter.address)
         try:
@@ -97,7 +97,7 @@ def test_mutual_tls_between_drafter_and_verifier(toy_pair, pki, greedy_reference
 
 
 def test_per_client_limits(toy_pair) -> None:
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0, max_prompt_tokens=20,
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig("ar", 0), max_prompt_tokens=20,
                                                  max_new_tokens_limit=50, max_streams_per_client=2))
     address = server.start()
     try:

@@ -11,9 +11,10 @@ import pytest
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.drafter_link import GrpcDrafterLink, HandshakeError
+from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServer, VerifierServerConfig
 
 PROMPT = "def add(a, b):\n"
@@ -21,7 +22,7 @@ PROMPT = "def add(a, b):\n"
 
 @pytest.fixture(scope="module")
 def drafter(toy_pair):
-    server = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
+    server = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     server.start()
     yield server
     server.stop()
@@ -29,8 +30,8 @@ def drafter(toy_pair):
 
 @pytest.fixture(scope="module")
 def service(toy_pair, drafter):
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=4,
-                                                 max_num_seqs=4))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2),
+                                                 max_queue=4, scheduler=SchedulerConfig(max_num_seqs=4)))
     address = server.start(drafter.address)
     yield server, address
     server.stop()
@@ -142,7 +143,7 @@ def test_handshake_refuses_other_k_and_vocabulary(drafter) -> None:
 
 
 def test_drain_finishes_in_flight_then_refuses(toy_pair) -> None:
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ar", k=0))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig("ar", 0)))
     address = server.start()
     result: dict = {}
     with SSDClient(address, retries=0) as client:

@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
+from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServer, VerifierServerConfig
 
 logger = logging.getLogger(__name__)
@@ -98,10 +99,10 @@ class _Load:
 
 
 def _soak(toy_pair, greedy_reference, clients: int, seconds: float, max_new: int) -> dict:
-    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=max(32, clients),
-                                                 max_num_seqs=16, max_streams_per_client=None))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2),
+                                                 max_queue=max(32, clients), max_streams_per_client=None))
     address = server.start(drafter.address)
     load = _Load(address, {p: greedy_reference(p, max_new) for p in PROMPTS}, max_new)
     try:
@@ -148,10 +149,11 @@ def test_overload_is_resource_exhausted_not_oom(toy_pair, greedy_reference) -> N
     serving with every KV block free."""
     import grpc
 
-    drafter = DrafterServer(DrafterServerConfig(toy_pair["draft"], SSDConfig(k=2)))
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(toy_pair["target"], mode="ssd", k=2, max_queue=16,
-                                                 max_num_seqs=8, max_streams_per_client=None))
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2), max_queue=16,
+                                                 scheduler=SchedulerConfig(max_num_seqs=8),
+                                                 max_streams_per_client=None))
     prompt = "values = [\n" + "    1,\n" * 120
     ref = greedy_reference(prompt, 24)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

@@ -24,6 +24,7 @@ from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs
 from spec_core.sequence import Sequence
+from spec_core.timing import DeviceTimer
 from spec_core.transfer import crossings, to_device, to_host
 from spec_core.tree import (
     TokenTree,
@@ -195,12 +196,12 @@ class VerifierEngine:
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
-        t_f = time.perf_counter()
-        logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
+        with DeviceTimer(self.runner.device) as timer:  # CUDA events on a GPU: kernel time, not launch time
+            logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
         argmax = to_host(logits.argmax(-1))
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)
-        forward_s = time.perf_counter() - t_f
+        forward_s = timer.elapsed_s() + self.config.verify_delay_s
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -18,8 +18,7 @@ from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core import chat
 from spec_core.chat import Prompt
-from spec_core.config import MODES, ModelConfig
-from spec_core.fanout import FanoutConfig
+from spec_core.config import CacheConfig, ModelConfig, SpeculationConfig
 from spec_core.kv_budget import pool_blocks
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
@@ -32,29 +31,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class VerifierServerConfig:
-    target_path: str
-    draft_path: str | None = None  # mode "sd" only (in ssd mode the draft lives in the drafter)
-    mode: str = "ssd"
-    k: int = 2
-    budget: int = FanoutConfig().budget
-    saguaro_c: float = 1.0
-    fanout: str = "geometric"
-    dtype: str = "float32"  # the library default is the exactness reference; commands default to auto
-    device: str = "cpu"
-    backup: str = "ngram"
-    wait_fraction: float = 0.5
-    max_num_seqs: int = 16
+    """The verifier service, composed from its parts: the target model (and in SD mode the draft; in SSD mode the
+    draft lives in the drafter), the speculation, the KV cache and the scheduler; then the server's own settings."""
+
+    target: ModelConfig
+    draft: ModelConfig | None = None
+    spec: SpeculationConfig = field(default_factory=SpeculationConfig)
+    #: The target's KV pool (and SD's draft pool); no size given: from free device memory (a CPU: 2048 blocks)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_queue: int = 64
-    #: KV pool size in blocks; None: from free device memory (``kv_memory_fraction``; on a CPU without one, 2048)
-    num_blocks: int | None = None
-    block_size: int = 16
-    kv_memory_fraction: float | None = None
     host: str = "127.0.0.1"
     port: int = 0
     drain_grace_s: float = 30.0
-    backup_policy: str = "auto"
-    #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
-    adaptive_k: bool = True
     #: Bearer-token authentication on the public API: the token is read from this file, or from the environment
     #: variable named by ``auth_token_env`` (never stored in the config itself, never logged).
     auth_token_file: str | None = None
@@ -74,16 +63,14 @@ class VerifierServerConfig:
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.max_queue < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_queue and max_num_seqs must be >= 1")
-        if self.kv_memory_fraction is not None and not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        if self.spec.mode == "sd" and self.draft is None:
+            raise ValueError("mode sd needs a draft model")
 
 
 def c_k(config: VerifierServerConfig) -> int:
-    return config.k if config.mode != "ar" else 0
+    return config.spec.lookahead
 
 
 class VerifierServer:
@@ -91,10 +78,7 @@ class VerifierServer:
 
     def __init__(self, config: VerifierServerConfig) -> None:
         self.config = config
-        draft = ModelConfig(config.draft_path, config.dtype, config.device) if config.mode == "sd" else None
-        if config.mode == "sd" and config.draft_path is None:
-            raise ValueError("mode sd needs draft_path")
-        self.pair = load_pair(ModelConfig(config.target_path, config.dtype, config.device), draft)
+        self.pair = load_pair(config.target, config.draft if config.spec.mode == "sd" else None)
         self.vocab_hash = vocab_hash(self.pair.tokenizer)
         self.link = None
         self.engine_loop: EngineLoop | None = None
@@ -134,14 +118,14 @@ class VerifierServer:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def hello(self) -> pb.Hello:
-        c = self.config
-        return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, c.k, c.budget,
-                                codec.sampling_mode(c.saguaro_c, c.fanout), c.backup, c.wait_fraction)
+        sp = self.config.spec
+        return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, sp.k, sp.budget,
+                                codec.sampling_mode(sp.saguaro_c, sp.fanout), sp.backup, sp.wait_fraction)
 
     def _build_engine(self, drafter_address: str | None) -> VerifierEngine:
-        c = self.config
+        c, sp, cache = self.config, self.config.spec, self.config.cache
         proposer, branching = None, 1
-        if c.mode == "ssd":
+        if sp.mode == "ssd":
             from verifier_service.drafter_link import GrpcDrafterLink
             from verifier_service.ssd_proposer import SSDProposer
 
@@ -149,27 +133,27 @@ class VerifierServer:
                 raise ValueError("mode ssd needs a drafter address")
             self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size,
                                         tls=c.internal_tls)
-            proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=c.backup,
-                                   wait_fraction=c.wait_fraction, backup_policy=c.backup_policy,
+            proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=sp.backup,
+                                   wait_fraction=sp.wait_fraction, backup_policy=sp.backup_policy,
                                    device=self.pair.target.device)
-        elif c.mode == "sd":
+        elif sp.mode == "sd":
             from spec_core.draft_engine import BatchDrafter, DraftConfig
 
             draft = self.pair.draft
-            blocks = pool_blocks(c.num_blocks, c.kv_memory_fraction, draft.kv_bytes_per_token(), c.block_size,
-                                 draft.device, 2048)
-            proposer = BatchDrafter(draft, DraftConfig(k=c.k, num_blocks=blocks, block_size=c.block_size))
-        sched = SchedulerConfig(max_num_seqs=c.max_num_seqs, max_spec_nodes=max(1, c.k * branching))
+            blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, draft.kv_bytes_per_token(),
+                                 cache.block_size, draft.device, 2048)
+            proposer = BatchDrafter(draft, DraftConfig(k=sp.k, num_blocks=blocks, block_size=cache.block_size))
+        sched = replace(c.scheduler, max_spec_nodes=max(1, sp.k * branching))
         target = self.pair.target
-        blocks = pool_blocks(c.num_blocks, c.kv_memory_fraction, target.kv_bytes_per_token(), c.block_size,
-                             target.device, 2048)
-        logger.info("verifier KV pool: %d blocks of %d tokens", blocks, c.block_size)
-        engine = VerifierEngine(target, EngineConfig(blocks, c.block_size, sched), drafter=proposer,
-                                k=c.k if proposer is not None else 0)
-        if c.adaptive_k and proposer is not None:
+        blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, target.kv_bytes_per_token(),
+                             cache.block_size, target.device, 2048)
+        logger.info("verifier KV pool: %d blocks of %d tokens", blocks, cache.block_size)
+        engine = VerifierEngine(target, EngineConfig(blocks, cache.block_size, sched), drafter=proposer,
+                                k=sp.k if proposer is not None else 0)
+        if sp.adaptive_k and proposer is not None:
             from verifier_service.adaptive import AdaptiveK
 
-            engine.adaptive = AdaptiveK(k_max=c.k)
+            engine.adaptive = AdaptiveK(k_max=sp.k)
         return engine
 
     def start(self, drafter_address: str | None = None, drafter_resolver=None) -> str:
@@ -205,7 +189,7 @@ class VerifierServer:
         if self.link is not None:
             resolver = drafter_resolver or (lambda: drafter_address)
             threading.Thread(target=self._watch_drafter, args=(resolver,), name="drafter-watch", daemon=True).start()
-        logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.mode)
+        logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.spec.mode)
         return self.address
 
     def _watch_drafter(self, resolver) -> None:
@@ -251,7 +235,7 @@ class VerifierServer:
 
     def stats(self) -> dict:
         loop = self.engine_loop
-        out = {"mode": self.config.mode, "address": self.address, "running": 0, "queued": 0, "kv_usage": 0.0,
+        out = {"mode": self.config.spec.mode, "address": self.address, "running": 0, "queued": 0, "kv_usage": 0.0,
                "tokens_emitted": 0, "rounds": 0, "acceptance_rate": None, "mean_tokens_per_round": None,
                "cache_hit_rate": None, "drafter_connected": bool(self.link is not None and self.link.alive),
                "uptime_s": time.time() - loop.started_at if loop else 0.0}
@@ -267,7 +251,7 @@ class VerifierServer:
                    engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s,
                    batch_k=eng.adaptive.batch_k if eng.adaptive is not None else c_k(self.config))
         proposer = eng.drafter
-        if self.config.mode == "ssd" and proposer is not None:
+        if self.config.spec.mode == "ssd" and proposer is not None:
             s = proposer.stats
             step_s = eng.metrics.step_s
             out.update(cache_hit_rate=s.cache_hit_rate, ssd_rounds=s.rounds, ssd_hits=s.hits, jit=s.jit,

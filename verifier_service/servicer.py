@@ -97,7 +97,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
     def _result(self, finished: Finished) -> pb.GenerateResult:
         seq = finished.seq
         return pb.GenerateResult(
-            request_id=seq.request_id, mode=self.server.config.mode, token_ids=seq.output_ids, text=seq.text,
+            request_id=seq.request_id, mode=self.server.config.spec.mode, token_ids=seq.output_ids, text=seq.text,
             finish_reason=seq.finish_reason or "", num_prompt_tokens=len(seq.prompt_ids),
             logprobs=seq.output_logprobs, stats=_stats_pb(finished))
 

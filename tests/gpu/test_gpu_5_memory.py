@@ -35,3 +35,15 @@ def test_kv_pool_is_sized_from_free_memory(real_pair, device, log):
     big = blocks_for_memory(runner.kv_bytes_per_token(), 16, dev, 0.5)
     log(f"KV blocks of 16 tokens on {dev}: {small} at 5% of free memory, {big} at 50%")
     assert big >= small >= 16
+
+
+def test_device_timer_times_kernels_not_launches(device, log):
+    from spec_core.timing import DeviceTimer
+
+    dev = torch.device(device)
+    x = torch.randn(4096, 4096, device=dev)
+    with DeviceTimer(dev) as t:
+        for _ in range(20):
+            x = x @ x / 64
+    log(f"20 x 4096^2 matmuls on {dev}: {t.elapsed_s() * 1e3:.1f} ms")
+    assert t.elapsed_s() > 0
