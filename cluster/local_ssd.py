@@ -139,24 +139,15 @@ class LocalSSD:
 
 
 def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str = "0"):
-    """Run one request through a started :class:`LocalSSD`; returns (sequence, stats dict)."""
-    import time
-
-    from spec_core.metrics import DecodeStats
+    """Run one request through a started :class:`LocalSSD`; returns (sequence, its stats, SSD counters)."""
     from spec_core.sequence import Sequence
+    from verifier_service.api import run_one
 
-    engine = local.engine
-    assert engine is not None
-    target = local.target
-    seq = Sequence(request_id, list(prompt_ids), params, eos_ids=local.eos_ids, max_len=target.spec.max_positions)
+    assert local.engine is not None
+    seq = Sequence(request_id, list(prompt_ids), params, eos_ids=local.eos_ids,
+                   max_len=local.target.spec.max_positions)
     before = _snapshot(local)
-    t0 = time.perf_counter()
-    engine.add(seq)
-    engine.run()
-    stats: DecodeStats = seq.stats
-    stats.num_generated = len(seq.output_ids)
-    stats.prefill_s = seq.emit_times[0] - t0
-    stats.decode_s = seq.emit_times[-1] - seq.emit_times[0]
+    stats = run_one(local.engine, seq)
     after = _snapshot(local)
     delta = {k: after[k] - before[k] for k in after}
     ssd = {

@@ -99,11 +99,6 @@ class SSDDrafter:
         return self.blocks.slots(rid, a, b)
 
     # ---- sampling -------------------------------------------------------------------------------------------
-    def _pick(self, req: DraftRequest, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One token from ``logits [V]`` (see :meth:`_pick_rows`)."""
-        toks, q = self._pick_rows(req, logits[None])
-        return toks[0], (q[0] if q is not None else None)
-
     def _pick_rows(self, req: DraftRequest, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """One token per row of ``logits [m, V]``, all rows at once: argmax for greedy, else draws from
         Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from)."""

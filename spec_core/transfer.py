@@ -51,9 +51,3 @@ def to_host(t: torch.Tensor) -> list:
     """One download: a device tensor → nested Python lists (one ``.tolist()``)."""
     crossings().downloads += 1
     return t.tolist()
-
-
-def to_host_tensor(t: torch.Tensor) -> torch.Tensor:
-    """One download that stays a tensor (for the codec, which serialises host tensors)."""
-    crossings().downloads += 1
-    return t.cpu()

@@ -58,10 +58,15 @@ class GenerationResult:
 RUNTIME = "verifier-engine"
 
 
+def blocks_for_one(runner, k: int, block_size: int = 16) -> int:
+    """KV blocks for one request of ``runner``'s full context plus a ``k``-token speculation."""
+    return -(-(runner.spec.max_positions + k + 1) // block_size) + 1
+
+
 def engine_for_one(target, drafter: BatchDrafter | None, k: int, block_size: int = 16) -> VerifierEngine:
     """A batch-1 engine whose KV pool holds one request of the model's full context (and its speculation)."""
     tokens = target.spec.max_positions + k + 1
-    blocks = -(-tokens // block_size) + 1
+    blocks = blocks_for_one(target, k, block_size)
     sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max(2048, tokens), max_spec_nodes=k)
     return VerifierEngine(target, EngineConfig(num_blocks=blocks, block_size=block_size, scheduler=sched),
                           drafter=drafter, k=k)
@@ -102,8 +107,7 @@ class Generator:
             drafter = None
             if mode == "sd":
                 draft = self.pair.draft
-                blocks = -(-(draft.spec.max_positions + k + 1) // 16) + 1
-                drafter = BatchDrafter(draft, DraftConfig(k=k, num_blocks=blocks, block_size=16))
+                drafter = BatchDrafter(draft, DraftConfig(k=k, num_blocks=blocks_for_one(draft, k), block_size=16))
             self._engines[key] = engine_for_one(self.pair.target, drafter, key[1])
         return self._engines[key]
 

@@ -69,10 +69,6 @@ class VerifierServerConfig:
             raise ValueError("mode sd needs a draft model")
 
 
-def c_k(config: VerifierServerConfig) -> int:
-    return config.spec.lookahead
-
-
 class VerifierServer:
     """Loads the target, connects to the drafter (mode ssd), and serves ``ssd.v1.Generation`` on its own thread."""
 
@@ -249,7 +245,7 @@ class VerifierServer:
                    mean_tokens_per_round=m.mean_tokens_per_round,
                    acceptance_by_position=m.acceptance_by_position(), admitted=loop.num_admitted,
                    engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s,
-                   batch_k=eng.adaptive.batch_k if eng.adaptive is not None else c_k(self.config))
+                   batch_k=eng.adaptive.batch_k if eng.adaptive is not None else self.config.spec.lookahead)
         proposer = eng.drafter
         if self.config.spec.mode == "ssd" and proposer is not None:
             s = proposer.stats

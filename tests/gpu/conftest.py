@@ -10,7 +10,6 @@ what happened.
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import time
@@ -150,14 +149,10 @@ def gpu_report(log):
 
 @pytest.fixture(scope="session")
 def generator_cls():
-    """``Generator`` (the in-process AR/SD API); it is moving from ``spec_core.api`` to ``verifier_service.api``."""
-    errors = []
-    for name in ("verifier_service.api", "spec_core.api"):
-        try:
-            return importlib.import_module(name).Generator
-        except ImportError as exc:
-            errors.append(f"{name}: {exc!r}")
-    pytest.fail("cannot import Generator: " + "; ".join(errors))
+    """``Generator``, the in-process AR/SD API (on the verifier engine)."""
+    from verifier_service.api import Generator
+
+    return Generator
 
 
 @pytest.fixture(scope="session")
