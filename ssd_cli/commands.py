@@ -323,6 +323,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise CliError(f"unknown --stage {args.stage!r}; choose one of {', '.join(STAGES)}")
     if args.steps is not None and args.steps <= 0:
         raise CliError(f"--steps must be > 0, got {args.steps}")
+    if (args.seed is not None or args.gen_dtype or args.data_scale) and not args.init:
+        raise CliError("--seed, --gen-dtype and --data-scale belong to the fine-tune recipe: give --init")
+    if args.data_scale is not None and args.data_scale <= 0:
+        raise CliError(f"--data-scale must be > 0, got {args.data_scale}")
     target = args.target or default_pair()["target"]
     check_model_dir(target)
     quiet_transformers()
@@ -347,7 +351,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             cfg = replace(cfg, shape=base.shape, draft_vocab=base.draft_vocab, init_from=base.init_from,
                           data=replace(cfg.data, stdlib_tokens=0, num_selfinstruct=4, code_ignore_eos=True))
     else:
-        cfg = DraftTrainConfig.finetune(args.init) if args.init else DraftTrainConfig()
+        cfg = DraftTrainConfig.finetune(args.init, seed=args.seed, gen_dtype=args.gen_dtype,
+                                        scale=args.data_scale) if args.init else DraftTrainConfig()
     if args.steps is not None:
         from dataclasses import replace
 

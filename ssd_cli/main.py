@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "self-generated data, its weights and vocabulary)")
     td.add_argument("--smoke", action="store_true", help="a few steps on a tiny slice with a tiny student (CI)")
     td.add_argument("--threads", type=int, default=None)
+    td.add_argument("--seed", type=int, help="the data and training seed of the fine-tune recipe (fresh prompts)")
+    td.add_argument("--gen-dtype", help="dtype of the teacher's self-generation (float32, bfloat16, auto)")
+    td.add_argument("--data-scale", type=float, help="multiply the fine-tune recipe's prompt counts")
 
     from ssd_cli import service_commands
 

@@ -66,22 +66,27 @@ class DraftTrainConfig:
     init_from: str | None = None
 
     @staticmethod
-    def finetune(init_from: str) -> DraftTrainConfig:
+    def finetune(init_from: str, seed: int | None = None, gen_dtype: str | None = None,
+                 scale: float | None = None) -> DraftTrainConfig:
         """Continue an exported draft on fresh self-generated data only (no stdlib pass), at a lower rate.
 
         The data is the target's greedy (and some sampled) answers to templated and self-written questions,
         and its code continuations run past EOS as the HumanEval measure does. Shape and vocabulary come
-        from ``init_from``.
+        from ``init_from``. ``seed`` draws other prompts, ``scale`` multiplies their counts and ``gen_dtype``
+        sets the teacher's dtype (the defaults reproduce the shipped recipe).
         """
         c = json.loads((Path(init_from) / "config.json").read_text())
         shape = StudentShape(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
                              num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
                              intermediate_size=c["intermediate_size"])
         vocab = len(json.loads((Path(init_from) / "token_map.json").read_text()))
-        data = replace(DataConfig(), stdlib_tokens=0, num_code_prompts=1100, num_chat_prompts=1000,
-                       num_selfinstruct=1400, sampled_fraction=0.25, code_ignore_eos=True, gen_batch=48, seed=1)
+        seed = 1 if seed is None else seed
+        n = lambda count: max(1, round(count * (scale or 1.0)))  # noqa: E731
+        data = replace(DataConfig(), stdlib_tokens=0, num_code_prompts=n(1100), num_chat_prompts=n(1000),
+                       num_selfinstruct=n(1400), sampled_fraction=0.25, code_ignore_eos=True, gen_batch=48,
+                       seed=seed, gen_dtype=gen_dtype or DataConfig.gen_dtype)
         train = replace(TrainConfig(), steps=500, lr=6e-4, min_lr=3e-5, warmup=20, ckpt_every=25)
-        return DraftTrainConfig(data=data, shape=shape, train=train, draft_vocab=vocab, seed=1,
+        return DraftTrainConfig(data=data, shape=shape, train=train, draft_vocab=vocab, seed=seed,
                                 init_from=str(Path(init_from).resolve()))
 
     @staticmethod
