@@ -37,7 +37,7 @@ from spec_core.fanout import fanout_for
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
-from spec_core.sequence import Sequence
+from spec_core.sequence import DRAFT, Sequence
 from spec_core.speculation import BranchBundle, Speculation
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
@@ -99,24 +99,28 @@ class SSDDrafter:
         return self.blocks.slots(rid, a, b)
 
     # ---- sampling -------------------------------------------------------------------------------------------
-    def _pick_rows(self, req: DraftRequest, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    def _pick_rows(self, req: DraftRequest, logits: torch.Tensor, positions: list[int]
+                   ) -> tuple[list[int], torch.Tensor | None]:
         """One token per row of ``logits [m, V]``, all rows at once: argmax for greedy, else draws from
-        Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from)."""
+        Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from).
+        Row i's token sits at ``positions[i]``; its uniform is keyed by that position, so a pre-drafted branch and
+        a just-in-time draft from the same prefix pick the same tokens."""
         seq = req.seq
         if seq.params.greedy:
             return to_host(logits.argmax(-1)), None
+        uniforms = torch.cat([seq.uniforms_at(p, 1, DRAFT) for p in positions])
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
         n, vocab = self.config.proposal_top_n, logits.shape[-1]
         if self.config.ship_raw_q or not 0 < n < vocab:
             q = request_probs(logits[None], [seq.params])[0]
             q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), n)
-            toks = to_host(sample_from_probs(q_prime, seq.uniforms(logits.shape[0])))
+            toks = to_host(sample_from_probs(q_prime, uniforms))
             return toks, q if self.config.ship_raw_q else q_prime
         # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution
         # over the draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
         vals, idx = torch.topk(logits.float(), n, dim=-1)
         small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, self.config.saguaro_c)
-        local = sample_from_probs(small, seq.uniforms(logits.shape[0]))
+        local = sample_from_probs(small, uniforms)
         toks = to_host(idx.gather(-1, local[:, None])[:, 0])
         q_prime = torch.zeros(logits.shape[0], vocab, device=logits.device).scatter_(-1, idx, small)
         return toks, q_prime
@@ -145,8 +149,9 @@ class SSDDrafter:
         rows = [DraftRow(reqs[i].seq.token_ids, reqs[i].num_computed, reqs[i].k,
                          lambda a, b, rid=reqs[i].seq.request_id: self._slots(rid, a, b)) for i in live]
 
-        def sample(idx: list[int], logits: torch.Tensor, width: int, root: bool):
-            return [self._pick_rows(reqs[live[j]], logits[p, :width]) for p, j in enumerate(idx)]
+        def sample(idx: list[int], logits: torch.Tensor, width: int, depth: int):
+            return [self._pick_rows(reqs[live[j]], logits[p, :width], [reqs[live[j]].seq.num_tokens + depth])
+                    for p, j in enumerate(idx)]
 
         for i, tree in zip(live, draft_trees(self.runner, self.cache, rows, 1, sample)):
             r = reqs[i]
@@ -229,7 +234,8 @@ class SSDDrafter:
             logits = self._forward(items)
             for j, i in enumerate(live):
                 m = len(branches[i])
-                toks, qs = self._pick_rows(reqs[i], logits[j, :m])
+                n = reqs[i].seq.num_tokens  # branch (a, bonus) drafts from position n + a + 1 on
+                toks, qs = self._pick_rows(reqs[i], logits[j, :m], [n + a + step + 1 for a, _ in branches[i]])
                 for b, tok in enumerate(toks):
                     out_tokens[i][b].append(tok)
                     if qs is not None:

@@ -22,7 +22,7 @@ from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.packing import reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
-from spec_core.sequence import Sequence
+from spec_core.sequence import DRAFT, Sequence
 from spec_core.transfer import to_host
 from spec_core.tree import TokenTree
 from spec_core.tree_draft import DraftRow, draft_trees
@@ -91,7 +91,8 @@ class BatchDrafter:
         ``width`` tokens at the root and the argmax below, and need no distributions (the verifier checks argmax
         only). Sampled requests draw the root children i.i.d. (SpecInfer's rule samples with replacement)."""
 
-        def sample(rows: list[int], logits: torch.Tensor, width: int, root: bool):
+        def sample(rows: list[int], logits: torch.Tensor, width: int, depth: int):
+            root = depth == 0
             sub = [seqs[i] for i in rows]
             greedy = [s.params.greedy for s in sub]
             probs = None if all(greedy) else request_probs(logits, [s.params for s in sub])
@@ -102,7 +103,7 @@ class BatchDrafter:
                     qs.append(None)
                     continue
                 q = probs[j, :1].expand(width, -1) if root else probs[j, :width]
-                picks[j] = sample_from_probs(q, seq.uniforms(width))
+                picks[j] = sample_from_probs(q, seq.uniforms_at(seq.num_tokens + depth, width, DRAFT))
                 qs.append(q)
             return list(zip(to_host(picks), qs))  # one download for the whole level
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spec_core.config import SamplingParams
 from spec_core.detokenizer import IncrementalDetokenizer, find_stop
 from spec_core.metrics import DecodeStats
+
+#: ``purpose`` keys of :meth:`Sequence.uniforms_at`: draft tokens, and the verification of a round.
+DRAFT, VERIFY = 1, 2
 
 
 @dataclass(slots=True)
@@ -40,10 +44,14 @@ class Sequence:
     stopped_text: str | None = None
     #: The target's log-probability of each output token (filled only when ``params.logprobs``).
     output_logprobs: list[float] = field(default_factory=list)
+    #: The ``params.top_logprobs`` most likely (token id, log-probability) pairs of each position, best first.
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     #: This request's decoding counters (rounds, acceptance, times), kept by the engine that runs it.
     stats: DecodeStats = field(default_factory=DecodeStats)
     #: Draft tokens planned for its next round by the adaptive-K policy (None: the engine's K).
     planned_k: int | None = None
+    #: The seed of this request's draws (``params.seed``, or a random one): the key of :meth:`uniforms_at`.
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -52,6 +60,7 @@ class Sequence:
             raise ValueError(f"prompt has {len(self.prompt_ids)} tokens; the context limit is {self.max_len}")
         seed = self.params.seed if self.params.seed is not None else torch.seed() % (1 << 63)
         self.generator.manual_seed(seed)
+        self.seed = seed
 
     @property
     def token_ids(self) -> list[int]:
@@ -76,8 +85,10 @@ class Sequence:
             ids.update(self.eos_ids)
         return ids
 
-    def append(self, tokens: list[int], logprobs: list[float] | None = None) -> list[int]:
-        """Append tokens (and their logprobs) until a stop rule fires; returns the tokens actually appended."""
+    def append(self, tokens: list[int], logprobs: list[float] | None = None,
+               top: list[list[tuple[int, float]]] | None = None) -> list[int]:
+        """Append tokens (and their logprobs and alternatives) until a stop rule fires; returns the tokens actually
+        appended."""
         now = time.perf_counter()
         stops = self.stop_ids()
         taken: list[int] = []
@@ -86,6 +97,8 @@ class Sequence:
                 break
             if logprobs is not None:
                 self.output_logprobs.append(logprobs[i])
+            if top is not None:
+                self.output_top_logprobs.append(top[i])
             self.output_ids.append(tok)
             self.emit_times.append(now)
             taken.append(tok)
@@ -124,3 +137,17 @@ class Sequence:
 
     def uniforms(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self.generator)
+
+    def uniforms_at(self, position: int, n: int, purpose: int) -> torch.Tensor:
+        """``n`` uniforms in [0, 1) keyed by (seed, ``purpose``, ``position``): a counter-based draw (Philox), the
+        same whenever it is asked again, independent across keys. Draft tokens at a position and the verification
+        of a round rooted at a position use them, so a sampled request's tokens do not depend on which round,
+        batch or timing produced them (with a fixed K and no n-gram backup: :attr:`reproducible`)."""
+        rng = np.random.Generator(np.random.Philox(key=[self.seed % (1 << 64), (purpose << 40) | position]))
+        return torch.from_numpy(rng.random(n, dtype=np.float32))
+
+    @property
+    def reproducible(self) -> bool:
+        """A seeded sampled request: its engine keeps K fixed and waits for neural drafts instead of the n-gram
+        backup, so the same seed gives the same tokens (greedy requests are deterministic anyway)."""
+        return self.params.seed is not None and not self.params.greedy

@@ -34,10 +34,11 @@ class DraftRow:
     slots: Callable[[int, int], list[int]]
 
 
-#: ``sample(rows, logits [B, W, V], width, root)`` → for each of ``rows`` (indices into the pass), ``width`` picked
-#: tokens and the q rows they were drawn from (``[width, V]``, or None for greedy requests). At the root the
-#: ``width`` picks are drawn from row 0's distribution (repeated ``width`` times); below it, pick j from row j.
-Sampler = Callable[[list[int], torch.Tensor, int, bool], list[tuple[list[int], torch.Tensor | None]]]
+#: ``sample(rows, logits [B, W, V], width, depth)`` → for each of ``rows`` (indices into the pass), ``width`` picked
+#: tokens and the q rows they were drawn from (``[width, V]``, or None for greedy requests). At the root (depth 0)
+#: the ``width`` picks are drawn from row 0's distribution (repeated ``width`` times); below it, pick j from row j.
+#: The picked tokens of depth d sit at position ``len(token_ids) + d`` (what keyed uniforms are keyed by).
+Sampler = Callable[[list[int], torch.Tensor, int, int], list[tuple[list[int], torch.Tensor | None]]]
 
 
 @dataclass(slots=True)
@@ -55,12 +56,12 @@ def draft_trees(runner: ModelRunner, cache: PagedKVCache, rows: list[DraftRow], 
     items = [WorkItem(r.slots(0, r.num_computed), r.token_ids[r.num_computed:], list(range(r.num_computed, ni)),
                       r.slots(r.num_computed, ni), ni - r.num_computed, [], [ni - r.num_computed - 1])
              for r, ni in zip(rows, n)]
-    picked = sample(list(range(len(rows))), forward_items(runner, cache, items), b, True)
+    picked = sample(list(range(len(rows))), forward_items(runner, cache, items), b, 0)
     trees = [DraftedTree([-1] * b, list(toks), list(q.unbind(0)) if q is not None else []) for toks, q in picked]
     for depth in range(1, max(r.k for r in rows)):
         live = [i for i, r in enumerate(rows) if r.k > depth]
         items = [_level_item(rows[i], n[i], depth, b, trees[i].token_ids) for i in live]
-        for i, (toks, q) in zip(live, sample(live, forward_items(runner, cache, items), b, False)):
+        for i, (toks, q) in zip(live, sample(live, forward_items(runner, cache, items), b, depth)):
             tree = trees[i]
             tree.parents.extend(range((depth - 1) * b, depth * b))
             tree.token_ids.extend(toks)
