@@ -189,13 +189,19 @@ class DrafterLoop:
             self.drafter.commit_outcome(req, ev.accepted, ev.bonus, own_speculation=own)
             req.round = ev.round + 1
             req.k = min(ev.next_k, self.drafter.config.k)
+            same = [j for j, r in enumerate(reqs) if r is req]
+            if same:  # prefilled in this same batch: its round-0 bundle is moot now, and drafting the request
+                j = same[0]  # twice in one pass would corrupt its K/V (both entries write its cache)
+                del reqs[j], specs[j]
+                misses = [m - (m > j) for m in misses]
             if req.k <= 0:
                 req.bundle = None
                 continue
             reqs.append(req)
             if hit:
                 specs.append(bundle.entries[ev.key])
-            elif ev.jit and self.drafter.jit_s_per_token * req.k < self.wait_fraction * ev.verify_s:
+            elif ev.jit and (req.seq.reproducible  # a seeded sampled request: its verifier waits for this draft
+                             or self.drafter.jit_s_per_token * req.k < self.wait_fraction * ev.verify_s):
                 specs.append(None)
                 misses.append(len(reqs) - 1)
             else:  # a just-in-time draft would be late: the verifier will use the backup, so build on it
