@@ -7,11 +7,11 @@ clients keep ``c`` requests in flight."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from protos import codec
 from spec_core.config import SamplingParams
 from spec_core.metrics import DecodeStats, ratio
 from verifier_service.api import GenerationResult
@@ -46,7 +46,7 @@ class ServiceMode:
         self.adaptive = adaptive
 
     def _counters(self) -> dict:
-        return json.loads(self.client.stats().json)
+        return codec.stats_from_pb(self.client.stats())
 
     @staticmethod
     def _delta(before: dict, after: dict) -> dict:
@@ -82,7 +82,7 @@ class ServiceMode:
             "verifier_idle_fraction": d["wait_s"] / stats.decode_s if stats.decode_s else None,
             "link_bytes_per_round": d["link_bytes"] / d["rounds"] if d["rounds"] else None,
         }
-        result = GenerationResult("ssd-service", [], tokens, final.text, final.finish_reason, stats,
+        result = GenerationResult("ssd-service", [], tokens, final.text, codec.finish_reason_name(final.finish_reason), stats,
                                   stats.prefill_s, times)
         return result, extra
 

@@ -105,7 +105,8 @@ class VerifierActor:
 
     def info(self) -> dict:
         return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device),
-                "metrics_address": self.server.metrics_address}
+                "metrics_address": self.server.metrics_address, "http_address": self.server.http_address,
+                "model_name": self.server.model_name}
 
     def stats(self) -> dict:
         return self.server.stats()

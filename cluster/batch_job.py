@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import ray
+from tqdm import tqdm
 
 from cluster.launch import PairConfig, launch
+from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
 from verifier_service.batch_requests import BatchSettings
 from verifier_service.client import SSDClient
@@ -26,8 +28,17 @@ logger = logging.getLogger(__name__)
 def result_row(rid: str, res: pb.GenerateResult) -> dict:
     s = res.stats
     return {"id": rid, "text": res.text, "token_ids": list(res.token_ids), "num_generated": len(res.token_ids),
-            "finish_reason": res.finish_reason or None, "num_prompt_tokens": res.num_prompt_tokens,
+            "finish_reason": codec.finish_reason_name(res.finish_reason), "num_prompt_tokens": res.num_prompt_tokens,
             "num_rounds": s.num_rounds, "mean_tokens_per_round": s.mean_tokens_per_round or None}
+
+
+def _in_order(futures: list[Future]) -> list:
+    """The futures' results in submission order; a progress bar (one step per finished request, in completion
+    order) goes to stderr when it is a terminal (not under ``ray job submit``, whose logs are piped)."""
+    with tqdm(total=len(futures), desc="batch (ray)", unit="req", disable=None) as bar:
+        for _ in as_completed(futures):
+            bar.update(1)
+    return [f.result() for f in futures]
 
 
 def run_batch_on_ray(address: str | None, rows: list, output_path: Path, settings: BatchSettings,
@@ -45,8 +56,8 @@ def run_batch_on_ray(address: str | None, rows: list, output_path: Path, setting
         t0 = time.perf_counter()
         with SSDClient(dep.address) as client, ThreadPoolExecutor(settings.concurrency) as pool:
             futures = [pool.submit(client.complete, prompt, params, rid) for rid, prompt, params in rows]
-            results = [f.result() for f in futures]
-            stats = json.loads(client.stats().json)
+            results = _in_order(futures)
+            stats = codec.stats_from_pb(client.stats())
         wall = time.perf_counter() - t0
     finally:
         dep.shutdown(grace_s=10)

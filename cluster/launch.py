@@ -47,8 +47,14 @@ class PairConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    #: The context limit of a request, prompt and output (None: the model's own)
+    max_model_len: int | None = None
     max_queue: int = 64
     metrics_port: int | None = None  # Prometheus endpoint on the verifier's node (None: off)
+    http_port: int | None = None  # OpenAI-compatible HTTP on the verifier's node (None: off)
+    served_model_name: str | None = None  # what clients give as `model` (None: the target's name)
+    stats_log_interval_s: float | None = 10.0  # the verifier's one-line stats log (None: off)
     adaptive_k: bool = True
     backup_policy: str = "auto"
     use_gpu: bool | None = None  # None: GPUs if the cluster has enough for both actors (2 × gpu_fraction)
@@ -69,8 +75,12 @@ class PairConfig:
                                  adaptive_k=self.adaptive_k, backup_policy=self.backup_policy)
         return VerifierServerConfig(ModelConfig(self.target_path, self.dtype, self.device), spec=spec,
                                     cache=CacheConfig(kv_memory_fraction=self.kv_memory_fraction),
-                                    scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs), host=self.host,
-                                    port=self.port, max_queue=self.max_queue, metrics_port=self.metrics_port,
+                                    scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                                              max_num_batched_tokens=self.max_num_batched_tokens),
+                                    host=self.host, port=self.port, max_queue=self.max_queue,
+                                    metrics_port=self.metrics_port, http_port=self.http_port,
+                                    served_model_name=self.served_model_name, max_model_len=self.max_model_len,
+                                    stats_log_interval_s=self.stats_log_interval_s,
                                     **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -89,20 +88,15 @@ def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: Bat
 
 
 def _run_engine(engine: VerifierEngine, seqs: list[Sequence], output_path: Path) -> dict:
+    """Run every sequence to the end; a progress bar (one step per finished request) goes to stderr when it is
+    a terminal, so stdout (JSON) and piped logs stay clean."""
+    from tqdm import tqdm
+
     for seq in seqs:
         engine.add(seq)
     t0 = time.perf_counter()
-    done = [0]
-    show = sys.stderr.isatty()
-
-    def progress(_seq: Sequence) -> None:
-        done[0] += 1
-        if show:
-            sys.stderr.write(f"\r[{done[0]}/{len(seqs)}] requests done")
-
-    engine.run(on_finish=progress)
-    if show:
-        sys.stderr.write("\n")
+    with tqdm(total=len(seqs), desc="batch", unit="req", disable=None) as bar:
+        engine.run(on_finish=lambda _seq: bar.update(1))
     wall = time.perf_counter() - t0
     engine.blocks.check_all_free()
     with output_path.open("w", encoding="utf-8") as f:

@@ -3,17 +3,20 @@
 Usage: ``python k8s/validate.py [FILE...]`` (default: every ``k8s/*.yaml``). Exit status 0 when every
 document is valid (silent), 1 otherwise, with one line per error on stderr.
 
-* ``ray.io`` kinds: the KubeRay CRD schemas copied under ``tests/data/kuberay/crds``, converted to strict
-  JSON Schema (unknown fields rejected, ``nullable`` honoured, required-with-default dropped, nulls
-  pruned, ``apiVersion``/``kind`` pinned); core kinds: ``kubernetes_validate`` (1.34, strict).
-* What the schemas cannot see: RayJob ``submissionMode`` and ``runtimeEnvYAML`` (a YAML map); RayService
-  ``serveConfigV2`` (Ray Serve's ``ServeDeploySchema``, unknown keys, importable ``import_path``).
+* Core kinds: ``kubernetes_validate`` (Kubernetes 1.34 schemas, strict).
+* ``ray.io`` kinds: ``jsonschema`` against each CRD's own ``openAPIV3Schema`` (the copies under
+  ``tests/data/kuberay/crds``). No installed package converts a CRD schema, so :func:`strict_crd_schema` keeps only
+  what kubeconform's ``openapi2jsonschema`` does for CRDs plus the API server's defaulting: unknown fields are errors
+  (``additionalProperties: false``), a required field that has a default may be left out, nulls are pruned.
+* What no schema sees, using Ray's own code: ``serveConfigV2`` (Serve's ``ServeDeploySchema``, which drops
+  unknown keys silently, so those are reported; each application built from its ``import_path`` and ``args`` as
+  Serve does), RayJob ``runtimeEnvYAML`` (``ray.runtime_env.RuntimeEnv``) and ``submissionMode`` (not an enum in
+  the CRD).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import sys
 from pathlib import Path
@@ -31,30 +34,27 @@ SUBMISSION_MODES = frozenset({"K8sJobMode", "HTTPMode", "SidecarMode", "Interact
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def convert_schema(node: Any) -> Any:
-    """Turn an OpenAPI v3 (structural CRD) schema into a strict JSON Schema."""
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key in ("properties", "patternProperties"):
-            out[key] = {name: convert_schema(sub) for name, sub in value.items()}
-        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
-            out[key] = convert_schema(value)
-        elif key in ("anyOf", "allOf", "oneOf"):
-            out[key] = [convert_schema(sub) for sub in value]
-        elif key != "nullable":
-            out[key] = value
-    props = out.get("properties")
-    if props is not None and "required" in out:
-        # The API server applies defaults before validating.
-        out["required"] = [name for name in out["required"] if "default" not in props.get(name, {})]
-    if node.get("nullable") and "type" in out:
-        out["type"] = [out["type"], "null"]
-    if (out.get("type") == "object" and props is not None and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
-        out["additionalProperties"] = False
-    return out
+def strict_crd_schema(schema: dict, api_version: str, kind: str) -> dict:
+    """``schema`` (a CRD version's ``openAPIV3Schema``, changed in place) as strict JSON Schema: every object with
+    ``properties`` rejects other keys unless ``x-kubernetes-preserve-unknown-fields``; fields with a ``default``
+    are not required (the API server defaults before it validates); ``apiVersion`` and ``kind`` are pinned."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        props = node.get("properties")
+        if node.get("type") == "object" and isinstance(props, dict):
+            if not node.get("x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            if "required" in node:
+                node["required"] = [r for r in node["required"] if "default" not in props.get(r, {})]
+        for key in ("properties", "patternProperties"):
+            stack.extend(node.get(key, {}).values())
+        stack.extend(node[k] for k in ("items", "additionalProperties", "not") if isinstance(node.get(k), dict))
+        for key in ("anyOf", "allOf", "oneOf"):
+            stack.extend(node.get(key, []))
+    schema["properties"]["apiVersion"] = {"const": api_version}
+    schema["properties"]["kind"] = {"const": kind}
+    return schema
 
 
 def prune_nulls(doc: Any) -> Any:
@@ -67,8 +67,8 @@ def prune_nulls(doc: Any) -> Any:
 
 
 def load_crd_validators(crd_dir: str | Path | None = None) -> dict[tuple[str, str], Draft202012Validator]:
-    """Validators keyed by ``(apiVersion, kind)`` for every served version of every CRD in ``crd_dir``
-    (default: the copies under ``tests/data/kuberay/crds``); parsed once per directory."""
+    """Validators keyed by ``(apiVersion, kind)`` for every version of every CRD in ``crd_dir`` (default: the
+    copies under ``tests/data/kuberay/crds``); parsed once per directory."""
     return _load_crd_validators(str(Path(crd_dir or CRD_DIR).resolve()))
 
 
@@ -81,13 +81,10 @@ def _load_crd_validators(crd_dir: str) -> dict[tuple[str, str], Draft202012Valid
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:
             api_version = f"{group}/{version['name']}"
-            schema = convert_schema(version["schema"]["openAPIV3Schema"])
-            schema["properties"]["apiVersion"] = {"const": api_version}
-            schema["properties"]["kind"] = {"const": kind}
+            schema = strict_crd_schema(version["schema"]["openAPIV3Schema"], api_version, kind)
             validators[(api_version, kind)] = Draft202012Validator(schema)
     if not validators:
         raise FileNotFoundError(f"no CRD yaml files in {crd_dir}")
-    log.debug("loaded %d CRD schemas from %s", len(validators), crd_dir)
     return validators
 
 
@@ -95,42 +92,36 @@ def _where(path: Any) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
-def check_import_path(import_path: str) -> str | None:
-    """Import ``module:attr`` (or ``module.attr``) from the repository root; an error message or None."""
-    module_name, sep, attr = import_path.partition(":")
-    if not sep:
-        module_name, _, attr = import_path.rpartition(".")
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def app_error(import_path: str, args: dict) -> str | None:
+    """Build the application as Serve does (import ``import_path`` from the repository root, call a builder with
+    ``args``); an error message, or None."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any failure at import time makes the application undeployable
-        return f"import_path {import_path!r}: cannot import module {module_name!r}: {exc!r}"
-    if not hasattr(module, attr):
-        return f"import_path {import_path!r}: module {module_name!r} has no attribute {attr!r}"
+        call_user_app_builder_with_args_if_necessary(import_attr(import_path), args)
+    except Exception as exc:  # any failure here makes the application undeployable
+        return f"import_path {import_path!r}: {type(exc).__name__}: {_one_line(exc)}"
     return None
 
 
-def _unknown_keys(model: Any, raw: Any, where: str) -> list[str]:
-    """Keys of ``raw`` that the validated pydantic ``model`` ignored (Ray Serve drops unknown keys silently)."""
-    from pydantic import BaseModel
-
-    if not isinstance(model, BaseModel) or not isinstance(raw, dict):
-        return []
-    fields = type(model).model_fields
-    known = set(fields) | {f.alias for f in fields.values() if f.alias}
-    errors = [f"{where}{key}: unknown field" for key in raw if key not in known]
-    for key in known & set(raw):
-        value = getattr(model, key, None)
-        if isinstance(value, list) and isinstance(raw[key], list):
-            for i, (sub, sub_raw) in enumerate(zip(value, raw[key])):
-                errors += _unknown_keys(sub, sub_raw, f"{where}{key}.{i}.")
-        else:
-            errors += _unknown_keys(value, raw[key], f"{where}{key}.")
-    return errors
+def dropped_keys(raw: Any, kept: Any, where: str = "") -> list[str]:
+    """Keys of ``raw`` missing from ``kept`` (the validated model dumped with ``exclude_unset``), recursively."""
+    if isinstance(raw, dict) and isinstance(kept, dict):
+        return [e for k, v in raw.items()
+                for e in (dropped_keys(v, kept[k], f"{where}{k}.") if k in kept else [f"{where}{k}: unknown field"])]
+    if isinstance(raw, list) and isinstance(kept, list):
+        return [e for i, (a, b) in enumerate(zip(raw, kept)) for e in dropped_keys(a, b, f"{where}{i}.")]
+    return []
 
 
-def _serve_config_errors(text: Any) -> list[str]:
+def serve_config_errors(text: Any) -> list[str]:
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
@@ -138,24 +129,38 @@ def _serve_config_errors(text: Any) -> list[str]:
         raw = yaml.safe_load(text)
         config = ServeDeploySchema.model_validate(raw)
     except (yaml.YAMLError, ValidationError) as exc:
-        return ["spec.serveConfigV2: " + " ".join(str(exc).split())]
-    errors = _unknown_keys(config, raw, "")
-    errors += [e for e in (check_import_path(app.import_path) for app in config.applications) if e]
+        return [f"spec.serveConfigV2: {_one_line(exc)}"]
+    errors = dropped_keys(raw, config.model_dump(exclude_unset=True))
+    errors += [e for e in (app_error(app.import_path, app.args) for app in config.applications) if e]
     return [f"spec.serveConfigV2: {e}" for e in errors]
 
 
-def _rayjob_errors(spec: dict) -> list[str]:
+def rayjob_errors(spec: dict) -> list[str]:
+    from ray.runtime_env import RuntimeEnv
+
     errors = []
     mode = spec.get("submissionMode", "K8sJobMode")
     if mode not in SUBMISSION_MODES:
         errors.append(f"spec.submissionMode: {mode!r} is not one of {sorted(SUBMISSION_MODES)}")
     if "runtimeEnvYAML" in spec:
         try:
-            env = yaml.safe_load(spec["runtimeEnvYAML"])
-        except yaml.YAMLError as exc:
-            env = exc
-        if not isinstance(env, dict):
-            errors.append(f"spec.runtimeEnvYAML: not a YAML map: {' '.join(str(env).split())}")
+            RuntimeEnv(**yaml.safe_load(spec["runtimeEnvYAML"]))
+        except Exception as exc:  # YAML errors, a non-map (TypeError), Ray's own field checks
+            errors.append(f"spec.runtimeEnvYAML: {type(exc).__name__}: {_one_line(exc)}")
+    return errors
+
+
+def _ray_errors(doc: dict, crd_dir: str | Path | None) -> list[str]:
+    validator = load_crd_validators(crd_dir).get((doc["apiVersion"], doc["kind"]))
+    if validator is None:
+        return [f"<root>: no CRD schema for {doc['apiVersion']} {doc['kind']}"]
+    found = sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    errors = [f"{_where(e.absolute_path)}: {e.message}" for e in found]
+    spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
+    if doc["kind"] == "RayJob":
+        errors += rayjob_errors(spec)
+    if doc["kind"] == "RayService" and "serveConfigV2" in spec:
+        errors += serve_config_errors(spec["serveConfigV2"])
     return errors
 
 
@@ -164,19 +169,8 @@ def validate_document(doc: Any, crd_dir: str | Path | None = None) -> list[str]:
     if not isinstance(doc, dict) or "kind" not in doc or "apiVersion" not in doc:
         return ["<document>: not a Kubernetes object (needs apiVersion and kind)"]
     doc = prune_nulls(doc)
-    api_version, kind = doc["apiVersion"], doc["kind"]
-    if str(api_version).startswith("ray.io/"):
-        validator = load_crd_validators(crd_dir).get((api_version, kind))
-        if validator is None:
-            return [f"<root>: no CRD schema for {api_version} {kind}"]
-        errors = [f"{_where(e.absolute_path)}: {e.message}"
-                  for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
-        spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
-        if kind == "RayJob":
-            errors += _rayjob_errors(spec)
-        if kind == "RayService" and "serveConfigV2" in spec:
-            errors += _serve_config_errors(spec["serveConfigV2"])
-        return errors
+    if str(doc["apiVersion"]).startswith("ray.io/"):
+        return _ray_errors(doc, crd_dir)
     import kubernetes_validate
 
     try:
@@ -194,7 +188,7 @@ def validate_documents(path: str | Path, crd_dir: str | Path | None = None) -> l
         with open(path, encoding="utf-8") as f:
             docs = [d for d in yaml.load_all(f, Loader=_Loader) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
-        return [f"{path}: {' '.join(str(exc).split())}"]
+        return [f"{path}: {_one_line(exc)}"]
     errors = []
     for doc in docs:
         name = f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}" if isinstance(doc, dict) else "?"

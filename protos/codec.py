@@ -73,6 +73,7 @@ def request_to_params(req: pb.GenerateRequest) -> tuple[Prompt, SamplingParams]:
         stop=tuple(s for s in req.stop),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
+        top_logprobs=int(req.top_logprobs),
     )
     if any(not s for s in params.stop):
         raise ValueError("stop strings must be non-empty")
@@ -94,6 +95,7 @@ def params_to_request(prompt: Prompt, params: SamplingParams, request_id: str = 
         max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, ignore_eos=params.ignore_eos, stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids), logprobs=params.logprobs, request_id=request_id,
+        top_logprobs=params.top_logprobs,
     )
     if isinstance(prompt, ChatPrompt):
         req.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in prompt.messages)
@@ -106,6 +108,52 @@ def params_to_request(prompt: Prompt, params: SamplingParams, request_id: str = 
     return req
 
 
+#: Our finish reasons (``Sequence.finish_reason``) and the wire enum; "abort" is OpenAI's and vLLM's name.
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_ABORT}
+_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+def finish_reason_to_pb(reason: str | None) -> int:
+    return _FINISH.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
+
+
+def finish_reason_name(value: int) -> str | None:
+    """"stop", "length", "abort", or None (unspecified): the names OpenAI-style APIs use."""
+    return _FINISH_NAMES.get(value)
+
+
+def position_logprobs(chosen: tuple[int, float], top: list[tuple[int, float]], piece) -> pb.PositionLogprobs:
+    """One position's logprobs; ``piece(id)`` is the token's text."""
+    return pb.PositionLogprobs(
+        chosen=pb.TokenLogprob(token_id=chosen[0], token=piece(chosen[0]), logprob=chosen[1]),
+        top=[pb.TokenLogprob(token_id=t, token=piece(t), logprob=lp) for t, lp in top])
+
+
+def stats_to_pb(stats: dict):
+    """The server's stats dict as a ``google.protobuf.Struct`` (numbers become doubles; None stays null)."""
+    from google.protobuf.struct_pb2 import Struct
+
+    out = Struct()
+    out.update(stats)
+    return out
+
+
+def stats_from_pb(resp: pb.StatsResponse) -> dict:
+    """The stats dict of a ``GetStats`` answer (whole numbers come back as ints)."""
+    from google.protobuf.json_format import MessageToDict
+
+    def ints(v):
+        if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 53:
+            return int(v)
+        if isinstance(v, list):
+            return [ints(x) for x in v]
+        if isinstance(v, dict):
+            return {k: ints(x) for k, x in v.items()}
+        return v
+
+    return ints(MessageToDict(resp.stats))
+
+
 def result_to_json(res: pb.GenerateResult) -> dict:
     """The JSON object ``ssd generate --json`` prints, from a service result."""
     s = res.stats
@@ -115,7 +163,7 @@ def result_to_json(res: pb.GenerateResult) -> dict:
         "token_ids": list(res.token_ids),
         "num_generated": len(res.token_ids),
         "num_prompt_tokens": res.num_prompt_tokens,
-        "finish_reason": res.finish_reason or None,
+        "finish_reason": finish_reason_name(res.finish_reason),
         "tokens_per_s": s.tokens_per_s,
         "ttft_s": s.ttft_s,
         "decode_s": s.decode_s,

@@ -14,9 +14,11 @@ PROTO = "protos/ssd/v1/ssd.proto"
 
 
 def generate(out_dir: Path) -> None:
+    import grpc_tools
     from grpc_tools import protoc
 
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
+    args = ["protoc", f"-I{ROOT}", f"-I{well_known}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}", str(ROOT / PROTO)]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO}")

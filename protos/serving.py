@@ -1,6 +1,7 @@
 """gRPC plumbing shared by the drafter and verifier servers and their clients.
 
-* explicit message-size limits and keepalive on every server and channel;
+* explicit message-size limits and keepalive on every server and channel; retries through the channel's service
+  config (:func:`retry_service_config`);
 * health checking (``grpc.health.v1``) and server reflection on every server;
 * :class:`ServerThread`: a ``grpc.aio`` server on its own event-loop thread, so a Ray actor (or any blocking
   program) can host one and stop it gracefully.
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -24,6 +26,8 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Default deadline (seconds) for unary calls made by our clients.
 DEFAULT_DEADLINE_S = 600.0
+#: gRPC's cap on ``retryPolicy.maxAttempts`` (the first try included); larger values are clamped by gRPC.
+MAX_RETRY_ATTEMPTS = 5
 
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -45,12 +49,45 @@ def server_options() -> list[tuple[str, int]]:
     ]
 
 
-def channel_options() -> list[tuple[str, int]]:
-    return [
+def channel_options(service_config: str | None = None,
+                    max_reconnect_backoff_s: float | None = None) -> list[tuple[str, int | str]]:
+    """Options for every client channel. ``service_config``: a JSON service config (e.g.
+    :func:`retry_service_config`), which also turns retries on; ``max_reconnect_backoff_s`` caps how long a channel
+    waits between reconnection attempts to a server that went away (gRPC's default grows to 120 s)."""
+    opts: list[tuple[str, int | str]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         *_KEEPALIVE,
     ]
+    if service_config is not None:
+        opts += [("grpc.enable_retries", 1), ("grpc.service_config", service_config)]
+    if max_reconnect_backoff_s is not None:
+        opts.append(("grpc.max_reconnect_backoff_ms", max(100, int(max_reconnect_backoff_s * 1000))))
+    return opts
+
+
+def retry_service_config(max_attempts: int, initial_backoff_s: float, max_backoff_s: float,
+                         multiplier: float = 2.0, service: str = "ssd.v1.Generation") -> str:
+    """A gRPC service config (JSON) whose ``retryPolicy`` retries every method of ``service`` on UNAVAILABLE.
+
+    Invariants (gRFC A6, implemented by gRPC itself): ``max_attempts`` counts the first try and is at most
+    :data:`MAX_RETRY_ATTEMPTS`; attempt ``n`` waits ``initial_backoff_s * multiplier**(n-1)``, capped at
+    ``max_backoff_s``, with jitter; a call is committed, and never retried, once any response (headers or a
+    message) has arrived, so a stream is retried only before its first token and never repeats one; a request
+    larger than the retry buffer (``grpc.per_rpc_retry_buffer_size``, 256 KiB by default) is not retried.
+    """
+    if not 2 <= max_attempts <= MAX_RETRY_ATTEMPTS:
+        raise ValueError(f"max_attempts must be in [2, {MAX_RETRY_ATTEMPTS}], got {max_attempts}")
+    if not 0.001 <= initial_backoff_s <= max_backoff_s or multiplier <= 0:
+        raise ValueError("backoffs must satisfy 0.001 s <= initial <= max, and the multiplier must be > 0")
+    policy = {
+        "maxAttempts": max_attempts,
+        "initialBackoff": f"{initial_backoff_s:.3f}s",
+        "maxBackoff": f"{max_backoff_s:.3f}s",
+        "backoffMultiplier": multiplier,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    return json.dumps({"methodConfig": [{"name": [{"service": service}], "retryPolicy": policy}]})
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.aio.HealthServicer:

@@ -91,6 +91,10 @@ class ModelConfig:
         return resolve_dtype(self.dtype, self.device)
 
 
+#: The most alternatives a request may ask for at each position (OpenAI allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling settings.
@@ -110,6 +114,8 @@ class SamplingParams:
     ignore_eos: bool = False
     #: Also return the target's log-probability of each generated token (raw logits, before temperature/top-p).
     logprobs: bool = False
+    #: And the ``top_logprobs`` most likely tokens at each position (0..20; > 0 implies ``logprobs``).
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -122,6 +128,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            object.__setattr__(self, "logprobs", True)
 
     @property
     def greedy(self) -> bool:

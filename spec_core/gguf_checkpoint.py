@@ -109,15 +109,18 @@ def architecture(reader) -> str:
     return arch
 
 
-def dequantized_state_dict(reader) -> dict[str, np.ndarray]:
-    """Every tensor of the file in fp32 with transformers' names and layout (Llama Q/K un-permuted)."""
+def dequantized_state_dict(reader, desc: str = "dequantize") -> dict[str, np.ndarray]:
+    """Every tensor of the file in fp32 with transformers' names and layout (Llama Q/K un-permuted).
+
+    Shows a progress bar (one step per tensor) on stderr when stderr is a terminal; never writes to stdout."""
     from gguf import dequantize
+    from tqdm import tqdm
 
     arch = architecture(reader)
     n_heads = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_heads)
     out: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    for t in tqdm(reader.tensors, desc=desc, unit="tensor", disable=None, leave=False):
         name = hf_name(t.name)
         try:
             w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -129,14 +132,27 @@ def dequantized_state_dict(reader) -> dict[str, np.ndarray]:
     return out
 
 
+def _next_step(bar, label: str | None) -> None:
+    """Mark the current conversion step done and name the next one."""
+    bar.update(1)
+    if label:
+        bar.set_postfix_str(label)
+
+
 def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
-    """Write the HF folder for ``gguf_path`` into ``out`` (which must be empty)."""
+    """Write the HF folder for ``gguf_path`` into ``out`` (which must be empty).
+
+    A progress bar (4 steps: weights, config, tokenizer, save; the weights with a bar of their own) goes to stderr
+    when stderr is a terminal; nothing is written to stdout."""
     import torch
     from safetensors.torch import save_file
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = open_gguf(gguf_path)
+    bar = tqdm(total=4, desc=f"convert {gguf_path.name}", unit="step", disable=None, postfix="weights")
     weights = dequantized_state_dict(reader)
+    _next_step(bar, "config")
     src_dir, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     for attr in ("quantization_config", "_name_or_path"):
@@ -149,6 +165,7 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
         weights.pop("lm_head.weight", None)
     config.dtype = "float32"
     config.save_pretrained(out)
+    _next_step(bar, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     template = _field(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
@@ -157,11 +174,14 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
     eos = [i for i in {config.eos_token_id, tokenizer.eos_token_id} if i is not None]
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else sorted(eos),
                      pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
+    _next_step(bar, "save")
     save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "gguf_sha256": digest})
     (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "path": str(Path(gguf_path).resolve()),
                                                      "sha256": digest,
                                                  "architecture": architecture(reader)}, indent=1) + "\n")
+    _next_step(bar, None)
+    bar.close()
 
 
 def converted_ok(folder: Path, digest: str) -> bool:

@@ -5,6 +5,7 @@ Definitions (every benchmark, service stat and result JSON uses these):
   * tokens per round = tokens emitted by rounds ÷ rounds (AR: 1.0; a round emits its accepted tokens and one more,
     fewer when the request stops inside it);
   * acceptance rate = accepted draft tokens ÷ drafted tokens;
+  * a *draft* is a round that proposed at least one token (vLLM's ``num_drafts``): drafts ≤ rounds;
   * decode tokens/s = (generated − 1) ÷ decode time (from the first token to the last).
 """
 
@@ -18,6 +19,10 @@ def ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+_SUMMED = ("num_generated", "num_rounds", "num_round_tokens", "num_drafted", "num_accepted", "num_drafts", "prefill_s",
+           "decode_s", "verify_s", "draft_s")
+
+
 @dataclass(slots=True)
 class DecodeStats:
     """Counters for one request (or summed over many with :meth:`merge`)."""
@@ -27,6 +32,7 @@ class DecodeStats:
     num_round_tokens: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    num_drafts: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -55,6 +61,7 @@ class DecodeStats:
         self.num_round_tokens += num_emitted
         self.num_drafted += num_draft
         self.num_accepted += num_accepted
+        self.num_drafts += int(num_draft > 0)
         self._grow(num_draft)
         for j in range(num_draft):
             self.drafted_by_position[j] += 1
@@ -66,8 +73,7 @@ class DecodeStats:
             self.accepted_by_position.append(0)
 
     def merge(self, other: DecodeStats) -> None:
-        for name in ("num_generated", "num_rounds", "num_round_tokens", "num_drafted", "num_accepted", "prefill_s",
-                     "decode_s", "verify_s", "draft_s"):
+        for name in _SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self._grow(len(other.drafted_by_position))
         for j, (a, d) in enumerate(zip(other.accepted_by_position, other.drafted_by_position)):
@@ -77,8 +83,7 @@ class DecodeStats:
     def since(self, before: DecodeStats) -> DecodeStats:
         """The counters accumulated after the snapshot ``before`` (a copy taken earlier with :meth:`copy`)."""
         out = DecodeStats()
-        for name in ("num_generated", "num_rounds", "num_round_tokens", "num_drafted", "num_accepted", "prefill_s",
-                     "decode_s", "verify_s", "draft_s"):
+        for name in _SUMMED:
             setattr(out, name, getattr(self, name) - getattr(before, name))
         out._grow(len(self.drafted_by_position))
         for j, (a, d) in enumerate(zip(self.accepted_by_position, self.drafted_by_position)):

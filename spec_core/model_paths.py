@@ -102,6 +102,19 @@ def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
     return cache_dir() / "gguf" / f"{Path(gguf_path).stem}-{digest[:12]}"
 
 
+def model_name(path: str | Path) -> str:
+    """The name a model is served under by default: a GGUF's file name without its quantization suffix
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``), also for its converted folder; else the
+    folder's name."""
+    import json
+
+    p = Path(path)
+    source = p / "gguf_source.json"
+    if p.is_dir() and source.is_file():
+        p = Path(json.loads(source.read_text())["file"])
+    return p.name.split(".")[0] if is_gguf(p) else p.name
+
+
 def resolve_model(path: str | Path) -> Path:
     """An HF folder for ``path``: folders as they are; a ``.gguf`` file converted once into the cache."""
     p = check_model_dir(path)

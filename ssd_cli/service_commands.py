@@ -14,40 +14,53 @@ logger = logging.getLogger("ssd")
 
 
 def add_parsers(sub) -> None:
-    s = sub.add_parser("serve", help="serve the gRPC API with drafter and verifier as Ray actors")
+    s = sub.add_parser("serve", argument_default=argparse.SUPPRESS,
+                       help="serve the gRPC API (and OpenAI-compatible HTTP) with drafter and verifier as Ray actors")
+    s.add_argument("--config", help="a YAML file of these settings (keys are the flag names: `max-model-len: "
+                   "2048`); flags given here override it; an unknown key is an error")
     s.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
-    s.add_argument("--host", default="127.0.0.1", help="public bind host (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=50051, help="public gRPC port (default 50051; 0 = any free)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--host", help="public bind host (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="public gRPC port (default 50051; 0 = any free)")
+    s.add_argument("--http-port", type=int,
+                   help="also serve OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models, "
+                        "/health, /metrics) on this port, over the same engine (0 = any free; default off)")
+    s.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port (same host as the gRPC API; 0 = any free port)")
-    s.add_argument("--k", type=int, default=2, help="lookahead K (default 2, the best measured on CPU)")
-    s.add_argument("--budget", type=int, default=None, help="pre-drafted branches per request (fan-out budget)")
-    s.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting C in (0, 1]")
+    s.add_argument("--served-model-name", help="the `model` name HTTP clients use (default: the target's name)")
+    s.add_argument("--k", type=int, help="lookahead K (default 2, the best measured on CPU)")
+    s.add_argument("--budget", type=int, help="pre-drafted branches per request (fan-out budget)")
+    s.add_argument("--saguaro-c", type=float, help="Saguaro down-weighting C in (0, 1] (default 1)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always speculate K tokens (default: adaptive K per step, down to 0, from measured costs)")
-    s.add_argument("--backup-policy", choices=["auto", "neural", "fast"], default="auto",
+    s.add_argument("--backup-policy", choices=["auto", "neural", "fast"],
                    help="on a miss: wait for a just-in-time draft (neural), n-gram at once (fast), or by batch size "
-                        "from measured timings (auto, the paper's b*)")
-    s.add_argument("--max-num-seqs", type=int, default=16, help="requests batched per verify step")
-    s.add_argument("--max-queue", type=int, default=64, help="admitted requests before RESOURCE_EXHAUSTED")
-    s.add_argument("--gpu", choices=["auto", "yes", "no"], default="auto",
-                   help="GPUs for the actors (auto: if the cluster has 2 x --gpu-fraction of them)")
-    s.add_argument("--gpu-fraction", type=float, default=1.0,
-                   help="each actor's share of a GPU: 1 = a GPU each, 0.5 = drafter and verifier on one GPU")
-    s.add_argument("--kv-memory-fraction", type=float, default=None,
+                        "from measured timings (auto, the default: the paper's b*)")
+    s.add_argument("--max-num-seqs", type=int, help="requests batched per verify step (default 16)")
+    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per verify step, prefill chunks included "
+                   "(default 2048)")
+    s.add_argument("--max-model-len", type=int, help="a request's context limit, prompt plus output (default: the "
+                   "model's)")
+    s.add_argument("--stats-log-interval", type=float, help="seconds between the verifier's one-line stats log "
+                   "(throughput, acceptance, hit rate, KV usage; default 10)")
+    s.add_argument("--max-queue", type=int, help="admitted requests before RESOURCE_EXHAUSTED (default 64)")
+    s.add_argument("--gpu", choices=["auto", "yes", "no"],
+                   help="GPUs for the actors (auto, the default: if the cluster has 2 x --gpu-fraction of them)")
+    s.add_argument("--gpu-fraction", type=float,
+                   help="each actor's share of a GPU: 1 = a GPU each (default), 0.5 = both actors on one GPU")
+    s.add_argument("--kv-memory-fraction", type=float,
                    help="each KV pool's share of its device's free memory (default: 0.4 on a GPU; fixed on a CPU)")
-    s.add_argument("--device", default="auto",
-                   help="auto (the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N, for both actors")
-    s.add_argument("--strategy", default="PACK", help="placement strategy: PACK | SPREAD | STRICT_SPREAD | ...")
-    s.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray (default: all)")
-    s.add_argument("--drain-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    s.add_argument("--device",
+                   help="auto (the default: the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N")
+    s.add_argument("--strategy", help="placement strategy: PACK (default) | SPREAD | STRICT_SPREAD | ...")
+    s.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
+    s.add_argument("--drain-grace", type=float, help="seconds in-flight streams get on SIGTERM (default 30)")
     s.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` (token read from this file)")
     s.add_argument("--auth-token-env", help="... or from this environment variable")
     s.add_argument("--tls-cert", help="TLS certificate (PEM) for the public API")
     s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
     s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto)")
+    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8")
 
     c = sub.add_parser("client", help="talk to a running `ssd serve`")
     csub = c.add_subparsers(dest="client_command", required=True)
@@ -78,29 +91,23 @@ def add_parsers(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.launch import PairConfig, launch
-    from spec_core.fanout import FanoutConfig
-    from spec_core.model_paths import check_model_dir, default_pair
+    from cluster.launch import launch
+    from cluster.serve_config import ServeSettings
+    from spec_core.model_paths import check_model_dir
 
-    pair = default_pair()
-    target, draft = args.target or pair["target"], args.draft or pair["draft"]
-    check_model_dir(target)
-    check_model_dir(draft)
-    cfg = PairConfig(target, draft, k=args.k, budget=args.budget or FanoutConfig().budget,
-                     saguaro_c=args.saguaro_c, dtype=args.dtype, host=args.host, port=args.port,
-                     max_num_seqs=args.max_num_seqs, max_queue=args.max_queue,
-                     use_gpu={"auto": None, "yes": True, "no": False}[args.gpu], strategy=args.strategy,
-                     gpu_fraction=args.gpu_fraction, device=args.device, kv_memory_fraction=args.kv_memory_fraction,
-                     metrics_port=args.metrics_port, adaptive_k=not args.fixed_k,
-                     backup_policy=args.backup_policy,
-                     extra_verifier={"auth_token_file": _abs(args.auth_token_file),
-                                     "auth_token_env": args.auth_token_env,
-                                     "tls_cert": _abs(args.tls_cert), "tls_key": _abs(args.tls_key)})
-    cfg.verifier_config()  # validate before starting Ray
-    if args.address:
-        ray.init(address=args.address, logging_level=logging.WARNING)
+    given = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
+    try:
+        settings = ServeSettings.load(getattr(args, "config", None), given)
+        cfg = settings.pair()
+        cfg.verifier_config()  # validate before starting Ray
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    check_model_dir(cfg.target_path)
+    check_model_dir(cfg.draft_path)
+    if settings.address:
+        ray.init(address=settings.address, logging_level=logging.WARNING)
     else:
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=settings.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -111,21 +118,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"could not start the service: {exc}") from exc
     info = deployment.info()
     print(f"ssd serve: gRPC address {deployment.address}", flush=True)
-    if info["verifier"].get("metrics_address"):
-        print(f"ssd serve: Prometheus metrics at http://{info['verifier']['metrics_address']}/metrics", flush=True)
+    verifier = info["verifier"]
+    if verifier.get("http_address"):
+        print(f"ssd serve: OpenAI-compatible HTTP at http://{verifier['http_address']}/v1 (model "
+              f"{verifier.get('model_name')!r})", flush=True)
+    if verifier.get("metrics_address"):
+        print(f"ssd serve: Prometheus metrics at http://{verifier['metrics_address']}/metrics", flush=True)
     print_json(info)
     sys.stdout.flush()
     stop.wait()
-    logger.warning("draining (up to %.0f s) ...", args.drain_grace)
-    deployment.shutdown(args.drain_grace)
+    logger.warning("draining (up to %.0f s) ...", settings.drain_grace)
+    deployment.shutdown(settings.drain_grace)
     ray.shutdown()
     return 0
-
-
-def _abs(path: str | None) -> str | None:
-    import os
-
-    return os.path.abspath(path) if path else None
 
 
 def _client(args: argparse.Namespace, **kw):
@@ -147,7 +152,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     if args.client_command == "stats":
         with _client(args) as client:
             try:
-                print_json(__import__("json").loads(client.stats().json))
+                print_json(codec.stats_from_pb(client.stats()))
             except grpc.RpcError as exc:
                 raise CliError(f"{exc.code().name}: {exc.details()}") from None
         return 0

@@ -96,6 +96,43 @@ def real_pair() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def served():
+    """``ssd serve`` as a subprocess with its own embedded Ray on free ports (gRPC, HTTP, metrics), fp32 for the
+    exactness checks: ``(process, info)``, ``info`` being the JSON line it prints. Shared by the whole session;
+    the one test that stops it is marked ``stops_served`` and runs last."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0",
+                             "--http-port", "0", "--dtype", "float32"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info = None
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("{"):
+            info = json.loads(line)
+            break
+    if info is None:
+        proc.kill()
+        pytest.fail(f"ssd serve did not start: {proc.stderr.read()[-2000:]}")
+    yield proc, info
+    if proc.poll() is None:
+        proc.kill()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Tests that stop the shared ``served`` process run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_served") is not None)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One embedded Ray for the whole test session: 2 CPUs and 2 logical GPUs (they work on CPU machines)."""
     import ray

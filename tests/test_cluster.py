@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -46,30 +44,6 @@ def test_strict_spread_on_one_node_times_out(ray_session, toy_pair) -> None:
     with pytest.raises(PlacementError, match="not ready"):
         launch(PairConfig(toy_pair["target"], toy_pair["draft"], strategy="STRICT_SPREAD",
                           use_gpu=False, placement_timeout_s=2))
-
-
-@pytest.fixture(scope="module")
-def served():
-    """``ssd serve`` as a subprocess with its own embedded Ray, on a free port."""
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0",
-                             "--dtype", "float32"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    info = None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            info = json.loads(line)
-            break
-    if info is None:
-        proc.kill()
-        pytest.fail(f"ssd serve did not start: {proc.stderr.read()[-2000:]}")
-    yield proc, info
-    if proc.poll() is None:
-        proc.kill()
 
 
 def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, real_reference) -> None:
@@ -114,17 +88,20 @@ def test_serve_exports_prometheus_metrics(served) -> None:
         client.complete(PROMPTS[2], SamplingParams(max_new_tokens=8))
     with urllib.request.urlopen(f"http://{info['verifier']['metrics_address']}/metrics", timeout=30) as r:
         text = r.read().decode()
-    for name in ("ssd_acceptance_rate", "ssd_tokens_per_round", "ssd_cache_hit_rate", "ssd_queue_depth",
-                 "ssd_running_requests", "ssd_kv_block_usage", "ssd_verifier_wait_fraction",
-                 "ssd_time_to_first_token_seconds_bucket", "ssd_inter_token_latency_seconds_bucket",
-                 "ssd_verify_seconds_bucket", "ssd_draft_seconds_bucket", 'ssd_acceptance_by_position{position="1"}'):
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "ssd_cache_hits_total", "ssd_cache_misses_total", "ssd_link_bytes_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "ssd_verify_seconds_bucket", "ssd_draft_seconds_bucket",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total{"):
         assert name in text, name
-    count = [line for line in text.splitlines() if line.startswith("ssd_time_to_first_token_seconds_count")]
+    count = [line for line in text.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count")]
     assert count and float(count[0].split()[-1]) >= 1
     crossed = [line for line in text.splitlines() if line.startswith("ssd_host_device_crossings_total")]
     assert crossed and float(crossed[0].split()[-1]) >= 2  # at least one step: one upload, one download
 
 
+@pytest.mark.stops_served
 def test_client_cli_json_chat_and_sigterm(served, real_reference) -> None:
     """`ssd client generate` against `ssd serve` (real pair): a plain prompt and a chat turn, both equal to the
     target's own greedy output; the chat stream ends at the end-of-turn token with clean text."""

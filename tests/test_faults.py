@@ -10,7 +10,6 @@ and a slow drafter.
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 
@@ -19,6 +18,7 @@ import pytest
 import ray
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
+from protos import codec
 from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
@@ -27,7 +27,7 @@ PROMPTS = ["def parse_args(argv):\n    ", "class Cache:\n    def get(self, key):
 
 
 def _stats(client: SSDClient) -> dict:
-    return json.loads(client.stats().json)
+    return codec.stats_from_pb(client.stats())
 
 
 def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_reference) -> None:

@@ -70,8 +70,8 @@ def test_openai_completions_stream_and_models(serve_app, greedy_reference) -> No
     _, _, http_port = serve_app
     base = f"http://127.0.0.1:{http_port}"
     with urllib.request.urlopen(f"{base}/v1/models", timeout=60) as r:
-        assert json.load(r)["data"][0]["id"] == "ssd-default"
-    body = {"model": "ssd-default", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+        assert json.load(r)["data"][0]["id"] == "toy-target"  # the target's name
+    body = {"model": "toy-target", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -87,8 +87,45 @@ def test_openai_completions_stream_and_models(serve_app, greedy_reference) -> No
     with urllib.request.urlopen(req, timeout=300) as r:
         full = json.load(r)
     assert full["choices"][0]["text"] == text and full["usage"]["completion_tokens"] == 12
-    bad = urllib.request.Request(f"{base}/v1/completions", data=json.dumps({"prompt": "x", "top_p": 3}).encode(),
+    bad = urllib.request.Request(f"{base}/v1/completions",
+                                 data=json.dumps({"model": "toy-target", "prompt": "x", "top_p": 3}).encode(),
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(bad, timeout=60)
     assert info.value.code == 400 and "top_p" in json.load(info.value)["error"]["message"]
+
+
+def test_eight_concurrent_openai_streams_run_at_once(serve_app, greedy_reference) -> None:
+    """2 replicas, 8 concurrent streams through the official client: every stream has its first token before
+    any stream finishes (none waits behind Serve's default limit of 5 per replica), and each equals AR."""
+    import threading
+    import time
+
+    from openai import OpenAI
+
+    _, _, http_port = serve_app
+    prompts = [f"def task_{i}(x):\n    " for i in range(8)]
+    first, done, texts = {}, {}, {}
+
+    def one(i: int) -> None:
+        with OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0) as client:
+            parts = []
+            for c in client.completions.create(model="toy-target", prompt=prompts[i], max_tokens=48, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+                first.setdefault(i, time.monotonic())
+                parts.append(c.choices[0].text)
+            done[i], texts[i] = time.monotonic(), "".join(parts)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(done) == 8
+    assert max(first.values()) < min(done.values())
+    from spec_core.model_paths import toy_pair
+    from spec_core.models import load_tokenizer
+
+    tok = load_tokenizer(toy_pair()["target"])
+    for i, p in enumerate(prompts):
+        assert texts[i] == tok.decode(greedy_reference(p, 48), skip_special_tokens=True)

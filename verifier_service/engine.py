@@ -23,7 +23,7 @@ from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs
-from spec_core.sequence import Sequence
+from spec_core.sequence import VERIFY, Sequence
 from spec_core.timing import DeviceTimer
 from spec_core.transfer import crossings, to_device, to_host
 from spec_core.tree import (
@@ -124,7 +124,7 @@ class VerifierEngine:
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
-        k = self.k if seq.planned_k is None else seq.planned_k
+        k = self.k if seq.planned_k is None or seq.reproducible else seq.planned_k
         return max(0, min(k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
 
     def _plan_k(self, seqs: list[Sequence]) -> None:
@@ -163,7 +163,7 @@ class VerifierEngine:
         probs = request_probs(logits[None], [seq.params])[0]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
-        return stochastic_verify_tree_path(probs, tree, seq.uniforms(tree.num_nodes + 1))
+        return stochastic_verify_tree_path(probs, tree, seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1, VERIFY))
 
     def _propose(self, work: list[ScheduledSeq]) -> dict[str, TokenTree]:
         """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve."""
@@ -244,7 +244,9 @@ class VerifierEngine:
         self.blocks.commit(seq.request_id, seq.num_computed)
         depth = max(tree.depths(), default=0)
         after_prefill = bool(seq.output_ids)  # the prefill forward's token is not a decode round
-        taken = seq.append(emitted, _emitted_logprobs(logits, path, emitted) if seq.params.logprobs else None)
+        chosen, top = (_emitted_logprobs(logits, path, emitted, seq.params.top_logprobs) if seq.params.logprobs
+                       else (None, None))
+        taken = seq.append(emitted, chosen, top)
         if after_prefill:
             seq.stats.record_round(depth, len(path), len(taken))
             self.metrics.stats.record_round(depth, len(path), len(taken))
@@ -261,10 +263,17 @@ class VerifierEngine:
                     on_finish(seq)
 
 
-def _emitted_logprobs(logits: torch.Tensor, path: list[int], emitted: list[int]) -> list[float]:
-    """The target's log-probability of each emitted token: token j is predicted by the row of its parent
-    (row 0 is the root, row i + 1 is tree node i)."""
+def _emitted_logprobs(logits: torch.Tensor, path: list[int], emitted: list[int],
+                      num_top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The target's log-probability of each emitted token, and with ``num_top`` its most likely alternatives
+    (best first). Token j is predicted by the row of its parent (row 0 is the root, row i + 1 is tree node i)."""
     rows = [0] + [i + 1 for i in path]
     picks = to_device([rows[: len(emitted)], emitted], logits.device, torch.long)
     logp = torch.log_softmax(logits[picks[0]].float(), dim=-1)
-    return to_host(logp.gather(-1, picks[1][:, None])[:, 0])
+    chosen = logp.gather(-1, picks[1][:, None])
+    if not num_top:
+        return to_host(chosen[:, 0]), None
+    vals, ids = logp.topk(num_top, dim=-1)
+    packed = to_host(torch.cat([chosen, vals, ids.to(vals.dtype)], dim=1))  # one download
+    top = [list(zip((int(t) for t in row[1 + num_top:]), row[1:1 + num_top])) for row in packed]
+    return [row[0] for row in packed], top

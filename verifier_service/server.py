@@ -25,6 +25,7 @@ from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.service import EngineLoop
 from verifier_service.servicer import SERVICE, GenerationServicer, add_generation_servicer
+from verifier_service.stats_log import counter_totals
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,26 @@ class VerifierServerConfig:
     reconnect_interval_s: float = 0.5
     #: Prometheus exposition port (None: off; 0: any free port).
     metrics_port: int | None = None
+    #: OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
+    #: ``/metrics``) on this port, next to gRPC, over the same engine (None: off; 0: any free port).
+    http_port: int | None = None
+    #: The name clients give as ``model`` over HTTP, and the metrics' ``model_name`` (None: the target's name).
+    served_model_name: str | None = None
+    #: A one-line stats log (throughput, acceptance, cache hits, KV usage, running/waiting) every this many seconds
+    #: after an interval with activity (None: off).
+    stats_log_interval_s: float | None = 10.0
+    #: A request's context limit, prompt and output together (None: the model's own position limit).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if self.spec.mode == "sd" and self.draft is None:
             raise ValueError("mode sd needs a draft model")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.http_port is not None and self.tls_cert:
+            raise ValueError("the HTTP port does not serve TLS yet: terminate TLS in front of it, or use gRPC")
 
 
 class VerifierServer:
@@ -83,9 +98,12 @@ class VerifierServer:
         self.address: str | None = None
         self.metrics = None
         self.metrics_address: str | None = None
+        self.http = None
+        self.http_address: str | None = None
         self._stopping = threading.Event()
         self.reconnects = 0
         self.link_bytes_base = (0, 0)
+        self._pieces: dict[int, str] = {}
 
     # ---- requests --------------------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -97,14 +115,27 @@ class VerifierServer:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids out of vocabulary (size {vocab}): {bad[:5]}")
-        limit = self.pair.target.spec.max_positions
+        limit = self.context_limit
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {limit}")
         return ids
 
+    @property
+    def context_limit(self) -> int:
+        """Prompt plus output tokens one request may hold: the model's limit, or ``max_model_len`` below it."""
+        own = self.pair.target.spec.max_positions
+        return min(own, self.config.max_model_len) if self.config.max_model_len else own
+
+    def token_piece(self, token_id: int) -> str:
+        """One token's text, as OpenAI's logprobs show it (cached: the vocabulary is fixed)."""
+        pieces = self._pieces
+        if token_id not in pieces:
+            pieces[token_id] = self.pair.tokenizer.decode([token_id])
+        return pieces[token_id]
+
     def check_limits(self, ids: list[int], params) -> None:
         """The whole request must fit the context (as vLLM does), and stop ids must be real tokens."""
-        limit = self.pair.target.spec.max_positions
+        limit = self.context_limit
         if len(ids) + params.max_new_tokens > limit:
             raise ValueError(f"this model's context is {limit} tokens; the prompt has {len(ids)} and "
                              f"max_new_tokens asks for {params.max_new_tokens} more")
@@ -156,15 +187,18 @@ class VerifierServer:
         """Serve. ``drafter_resolver()`` returns the drafter's current address when its link must be re-established
         (default: ``drafter_address`` again)."""
         engine = self._build_engine(drafter_address)
-        if self.config.metrics_port is not None:
-            from verifier_service.metrics import ServiceMetrics
+        from verifier_service.metrics import ServiceMetrics
 
-            self.metrics = ServiceMetrics(self.stats)
+        # Always built: the engine thread counts into it, and the stats log reads it, endpoint or not.
+        self.metrics = ServiceMetrics(self.stats, model_name=self.model_name, max_model_len=self.context_limit)
+        if self.config.metrics_port is not None:
             port = self.metrics.serve(self.config.metrics_port, self.config.host)
             self.metrics_address = f"{self.config.host}:{port}"
         self.engine_loop = EngineLoop(engine, self.pair.tokenizer, self.pair.eos_ids, self.config.max_queue,
                                       metrics=self.metrics)
         self.engine_loop.start()
+        if self.config.stats_log_interval_s:
+            self.metrics.start_stats_log(self.config.stats_log_interval_s)
         servicer = GenerationServicer(self)
 
         async def setup(server: grpc.aio.Server) -> None:
@@ -182,11 +216,37 @@ class VerifierServer:
                                    credentials=creds)
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
+        if c.http_port is not None:
+            self._start_http(port)
         if self.link is not None:
             resolver = drafter_resolver or (lambda: drafter_address)
             threading.Thread(target=self._watch_drafter, args=(resolver,), name="drafter-watch", daemon=True).start()
         logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.spec.mode)
         return self.address
+
+    def _start_http(self, grpc_port: int) -> None:
+        """The OpenAI-compatible HTTP server: its handlers call this server's own gRPC API over loopback."""
+        from protos.serving import channel_options
+        from verifier_service.openai_http import HttpServerThread, LoopbackStubs, OpenAIHandlers, create_app
+
+        c = self.config
+        host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "[::]", "") else c.host
+        stubs = LoopbackStubs(f"{host}:{grpc_port}", channel_options())
+        from prometheus_client import generate_latest
+
+        registry = self.metrics.registry if self.metrics is not None else None
+        metrics = (lambda: generate_latest(registry)) if registry is not None else None
+        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, metrics)
+        self.http = HttpServerThread(create_app(handlers), c.host, c.http_port)
+        self.http_address = f"{c.host}:{self.http.start()}"
+        logger.info("OpenAI-compatible HTTP on http://%s (model %s)", self.http_address, self.model_name)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients give as ``model`` (``served_model_name``, else the target folder's name)."""
+        from spec_core.model_paths import model_name
+
+        return self.config.served_model_name or model_name(self.config.target.path)
 
     def _watch_drafter(self, resolver) -> None:
         """Reconnect a dead drafter link (the engine uses its backup meanwhile; nothing waits on this)."""
@@ -220,6 +280,8 @@ class VerifierServer:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopping.set()
+        if self.http is not None:
+            self.http.stop()
         if self.thread is not None:
             self.thread.stop(grace_s)
         if self.engine_loop is not None:
@@ -246,6 +308,7 @@ class VerifierServer:
                    acceptance_by_position=m.acceptance_by_position(), admitted=loop.num_admitted,
                    engine_failures=loop.failures, forward_s=eng.metrics.forward_s, draft_s=eng.metrics.draft_s,
                    batch_k=eng.adaptive.batch_k if eng.adaptive is not None else self.config.spec.lookahead)
+        out.update(counter_totals(eng))
         proposer = eng.drafter
         if self.config.spec.mode == "ssd" and proposer is not None:
             s = proposer.stats

@@ -41,6 +41,8 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[float]
+    #: Per token, its ``top_logprobs`` alternatives as (id, log-probability), when the request asked for them.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -185,6 +187,8 @@ class EngineLoop:
         for h in cancels:
             if self.active.get(h.seq.request_id) is h and not h.done:
                 self.engine.cancel(h.seq)
+                if self.metrics is not None:
+                    self.metrics.observe_request(h.seq.emit_times, h.submitted_at, "cancelled", len(h.seq.prompt_ids))
                 h.done = True
                 del self.active[h.seq.request_id]
 
@@ -194,14 +198,18 @@ class EngineLoop:
             n = len(seq.output_ids)
             text = self._safe_text(seq)
             if n > h.sent_tokens or len(text) > h.sent_chars:
+                if h.sent_tokens == 0 and n and self.metrics is not None:  # its first token: prefill done
+                    self.metrics.observe_first_token(len(seq.prompt_ids), seq.emit_times[0] - h.submitted_at)
                 h.push(Delta(seq.output_ids[h.sent_tokens:n], text[h.sent_chars:],
-                             seq.output_logprobs[h.sent_tokens:n] if seq.params.logprobs else []))
+                             seq.output_logprobs[h.sent_tokens:n] if seq.params.logprobs else [],
+                             seq.output_top_logprobs[h.sent_tokens:n] if seq.params.top_logprobs else []))
                 h.sent_tokens, h.sent_chars = n, len(text)
             if seq.finished:
                 stats = seq.stats
                 ttft = (seq.emit_times[0] - h.submitted_at) if seq.emit_times else 0.0
                 if self.metrics is not None:
-                    self.metrics.observe_request(seq.emit_times, h.submitted_at, seq.finish_reason)
+                    self.metrics.observe_request(seq.emit_times, h.submitted_at, seq.finish_reason,
+                                                 len(seq.prompt_ids))
                 self._end(h, Finished(seq, stats, ttft))
 
     @staticmethod

@@ -10,7 +10,6 @@ parse as protobuf reaches the handler as :class:`Malformed` and gets INVALID_ARG
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,8 +97,17 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
         seq = finished.seq
         return pb.GenerateResult(
             request_id=seq.request_id, mode=self.server.config.spec.mode, token_ids=seq.output_ids, text=seq.text,
-            finish_reason=seq.finish_reason or "", num_prompt_tokens=len(seq.prompt_ids),
-            logprobs=seq.output_logprobs, stats=_stats_pb(finished))
+            finish_reason=codec.finish_reason_to_pb(seq.finish_reason), num_prompt_tokens=len(seq.prompt_ids),
+            logprobs=seq.output_logprobs, stats=_stats_pb(finished),
+            token_logprobs=self._token_logprobs(seq.output_ids, seq.output_logprobs, seq.output_top_logprobs))
+
+    def _token_logprobs(self, ids: list[int], logprobs: list[float], top: list) -> list[pb.PositionLogprobs]:
+        """Per token: the chosen one and its alternatives, with their text pieces (empty without logprobs)."""
+        if not logprobs:
+            return []
+        piece = self.server.token_piece
+        return [codec.position_logprobs((t, lp), top[i] if top else [], piece)
+                for i, (t, lp) in enumerate(zip(ids, logprobs))]
 
     def _done(self, handle) -> None:
         n = self.streams_by_client.get(handle.client, 1) - 1
@@ -116,8 +124,9 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             while True:
                 ev = await handle.events.get()
                 if isinstance(ev, Delta):
-                    yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=ev.token_ids, text=ev.text,
-                                                                  logprobs=ev.logprobs))
+                    yield pb.GenerateResponse(delta=pb.TokenDelta(
+                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs,
+                        token_logprobs=self._token_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs)))
                 elif isinstance(ev, Finished):
                     yield pb.GenerateResponse(final=self._result(ev))
                     return
@@ -146,7 +155,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             acceptance_rate=stats["acceptance_rate"] or 0.0,
             mean_tokens_per_round=stats["mean_tokens_per_round"] or 0.0,
             cache_hit_rate=stats["cache_hit_rate"] or 0.0, drafter_connected=stats["drafter_connected"],
-            json=json.dumps(stats))
+            stats=codec.stats_to_pb(stats))
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,9 @@ from spec_core.tree import TokenTree
 logger = logging.getLogger(__name__)
 
 
+#: The longest a seeded sampled request waits for its just-in-time draft before the backup serves it.
+REPRODUCIBLE_WAIT_S = 30.0
+
 @dataclass(slots=True)
 class SSDStats:
     rounds: int = 0
@@ -57,6 +60,14 @@ class SSDStats:
     accepted_hist: list[int] = field(default_factory=list)
     #: Steps on which the backup policy chose the fast (n-gram) backup instead of waiting for a JIT draft.
     fast_backup_steps: int = 0
+    #: Misses by what served the round: a just-in-time (or late) draft, or the backup (or nothing).
+    #: Invariant: ``hits + jit_misses + backup_misses == rounds``.
+    jit_misses: int = 0
+    backup_misses: int = 0
+    #: What arrived from the drafter (lifetime, across reconnects): bundles, the branches in them, JIT drafts.
+    bundles_received: int = 0
+    branches_received: int = 0
+    jit_received: int = 0
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -114,12 +125,15 @@ class SSDProposer:
     # ---- messages -------------------------------------------------------------------------------------------
     def _take(self, msg: object) -> None:
         if isinstance(msg, BranchBundle):
+            self.stats.bundles_received += 1
+            self.stats.branches_received += len(msg.entries)
             st = self.state.get(msg.request_id)
             if st is not None:
                 st.bundles[msg.round] = msg
                 for old in [r for r in st.bundles if r < msg.round - 1]:
                     del st.bundles[old]
         elif isinstance(msg, SpeculationMsg):
+            self.stats.jit_received += 1
             st = self.state.get(msg.request_id)
             if st is not None and msg.round >= st.round:
                 st.jit[msg.round] = msg.speculation
@@ -169,11 +183,11 @@ class SSDProposer:
         self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
         if not self.jit_allowed:
             self.stats.fast_backup_steps += 1
-        if waiting and self.jit_allowed and self.link.alive:  # dead link: straight to backup
+        if waiting and (self.jit_allowed or any(s.reproducible for s in waiting)) and self.link.alive:
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
-            deadline = time.perf_counter() + self.wait_fraction * self.verify_s_ema
             t0 = time.perf_counter()
+            deadline = t0 + (self.wait_fraction * self.verify_s_ema if self.jit_allowed else 0.0)
             while waiting and time.perf_counter() < deadline:
                 self._drain(timeout=max(0.0, deadline - time.perf_counter()))
                 still = []
@@ -186,6 +200,7 @@ class SSDProposer:
                         self.stats.jit += 1
                         self.state[seq.request_id].source = "jit"
                 waiting = still
+            waiting = self._await_reproducible(waiting, specs)
             waited = time.perf_counter() - t0
             self.stats.wait_s += waited
             self.stats.jit_wait_s += waited
@@ -194,11 +209,32 @@ class SSDProposer:
         self.link.flush()  # transports that batch sends deliver them now, before the verify
         return trees
 
+    def _await_reproducible(self, waiting: list[Sequence], specs: dict) -> list[Sequence]:
+        """Seeded sampled requests (``Sequence.reproducible``) wait for their just-in-time draft past the deadline
+        (up to ``REPRODUCIBLE_WAIT_S``, while the link lives): an n-gram backup would change their tokens."""
+        deadline = time.perf_counter() + REPRODUCIBLE_WAIT_S
+        must = [s for s in waiting if s.reproducible]
+        while must and self.link.alive and time.perf_counter() < deadline:
+            self._drain(timeout=0.05)
+            for seq in list(must):
+                spec, _ = self._lookup(self.state[seq.request_id])
+                if spec is not None:
+                    specs[seq.request_id] = spec
+                    self.stats.jit += 1
+                    self.state[seq.request_id].source = "jit"
+                    must.remove(seq)
+        return [s for s in waiting if specs.get(s.request_id) is None]
+
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
         st = self.state[seq.request_id]
         if st.round > 0 and k > 0:
             self.stats.rounds += 1
             self.stats.hits += int(st.used_hit)
+            if not st.used_hit:
+                if spec is not None:
+                    self.stats.jit_misses += 1
+                else:
+                    self.stats.backup_misses += 1
         if spec is not None and k > 0:
             tokens = spec.token_ids[:k]
             probs = to_device(spec.draft_probs[:k], self.device) if spec.draft_probs is not None else None
@@ -244,7 +280,8 @@ class SSDProposer:
         if not seq.finished and len(seq.token_ids) > n + len(path):
             bonus = seq.token_ids[n + len(path)]
             self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus, next_k,
-                                        verify_s=self.verify_s_ema, sent_at=now, jit=self.jit_allowed))
+                                        verify_s=self.verify_s_ema, sent_at=now,
+                                        jit=self.jit_allowed or seq.reproducible))
             st.last_key = (len(accepted), bonus)
         st.round += 1
         st.jit_attempted = False

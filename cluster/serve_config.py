@@ -1,0 +1,110 @@
+"""``ssd serve`` settings: every flag, also settable from a YAML file (``ssd serve --config serve.yaml``).
+
+One pydantic model, :class:`ServeSettings`, holds them. Keys are the flag names without the dashes
+(``max-model-len`` and ``max_model_len`` both work); an unknown key is an error that names it. Flags given on the
+command line override the file. :meth:`ServeSettings.pair` turns the settings into the deployment's
+:class:`cluster.launch.PairConfig`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spec_core.fanout import FanoutConfig
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # where
+    address: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)
+    http_port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    num_cpus: int | None = Field(None, ge=1)
+    # what
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    served_model_name: str | None = None
+    # speculation
+    k: int = Field(2, ge=1)
+    budget: int | None = Field(None, ge=1)
+    saguaro_c: float = Field(1.0, gt=0, le=1)
+    fixed_k: bool = False
+    backup_policy: Literal["auto", "neural", "fast"] = "auto"
+    # engine
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    max_queue: int = Field(64, ge=1)
+    kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
+    stats_log_interval: float | None = Field(10.0, gt=0)
+    # placement
+    gpu: Literal["auto", "yes", "no"] = "auto"
+    gpu_fraction: float = Field(1.0, gt=0, le=1)
+    strategy: str = "PACK"
+    # lifecycle and security
+    drain_grace: float = Field(30.0, ge=0)
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def load(cls, path: str | None, overrides: dict) -> ServeSettings:
+        """The file's settings (if any) with ``overrides`` (the flags given) on top. ValueError names the bad key."""
+        values = _read(path) if path else {}
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            key = ".".join(str(x) for x in err.get("loc", ()))
+            where = f" in {path}" if path else ""
+            if err.get("type") == "extra_forbidden":
+                raise ValueError(f"unknown setting {key!r}{where}") from None
+            raise ValueError(f"{key}: {err.get('msg')}{where}") from None
+
+    def pair(self):
+        """The deployment these settings describe (model paths default to ``ssd models``)."""
+        import os
+
+        from cluster.launch import PairConfig
+        from spec_core.model_paths import default_pair
+
+        pair = default_pair() if not (self.target and self.draft) else {}
+        absolute = lambda p: os.path.abspath(p) if p else None  # noqa: E731 - the actors may run elsewhere
+        return PairConfig(
+            self.target or pair["target"], self.draft or pair["draft"], k=self.k,
+            budget=self.budget or FanoutConfig().budget, saguaro_c=self.saguaro_c, dtype=self.dtype, host=self.host,
+            port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
+            use_gpu={"auto": None, "yes": True, "no": False}[self.gpu], strategy=self.strategy,
+            gpu_fraction=self.gpu_fraction, device=self.device, kv_memory_fraction=self.kv_memory_fraction,
+            metrics_port=self.metrics_port, adaptive_k=not self.fixed_k, backup_policy=self.backup_policy,
+            http_port=self.http_port, served_model_name=self.served_model_name, max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens, stats_log_interval_s=self.stats_log_interval,
+            extra_verifier={"auth_token_file": absolute(self.auth_token_file), "auth_token_env": self.auth_token_env,
+                            "tls_cert": absolute(self.tls_cert), "tls_key": absolute(self.tls_key)})
+
+
+def _read(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
