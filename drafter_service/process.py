@@ -177,6 +177,28 @@ class DrafterLoop:
                 outcomes.append(ev)
             elif ev == "stop":
                 self.running = False
+        misses = self._take_outcomes(outcomes, reqs, specs, misses)
+        if outcomes:
+            self.drafter.refresh_estimates()
+        # A request freed later in this same batch of events (e.g. a cancelled stream) must not get a bundle:
+        # building one would allocate KV blocks that nothing frees.
+        live = [i for i, r in enumerate(reqs) if self.drafter.requests.get(r.seq.request_id) is r]
+        if len(live) < len(reqs):
+            reqs, specs = [reqs[i] for i in live], [specs[i] for i in live]
+            misses = [live.index(i) for i in misses if i in live]
+        if not reqs:
+            return
+        self._serve_misses(reqs, specs, misses)
+        if self.tree_delay_s:
+            time.sleep(self.tree_delay_s)
+        for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs)):
+            req.bundle = bundle
+            self.link.send(bundle)
+
+    def _take_outcomes(self, outcomes: list[OutcomeEvent], reqs: list, specs: list, misses: list[int]) -> list[int]:
+        """Commit each outcome and queue its request for the next speculation (``reqs``/``specs``, in place; a
+        request prefilled in the same batch loses that entry); returns ``misses``, the indices to draft just in
+        time."""
         for ev in outcomes:
             req = self.drafter.requests.get(ev.request_id)
             if req is None:
@@ -206,22 +228,7 @@ class DrafterLoop:
                 misses.append(len(reqs) - 1)
             else:  # a just-in-time draft would be late: the verifier will use the backup, so build on it
                 specs.append(Speculation(backup_tokens(req.seq.token_ids, req.k, self.backup), None, "backup"))
-        if outcomes:
-            self.drafter.refresh_estimates()
-        # A request freed later in this same batch of events (e.g. a cancelled stream) must not get a bundle:
-        # building one would allocate KV blocks that nothing frees.
-        live = [i for i, r in enumerate(reqs) if self.drafter.requests.get(r.seq.request_id) is r]
-        if len(live) < len(reqs):
-            reqs, specs = [reqs[i] for i in live], [specs[i] for i in live]
-            misses = [live.index(i) for i in misses if i in live]
-        if not reqs:
-            return
-        self._serve_misses(reqs, specs, misses)
-        if self.tree_delay_s:
-            time.sleep(self.tree_delay_s)
-        for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs)):
-            req.bundle = bundle
-            self.link.send(bundle)
+        return misses
 
     def _serve_misses(self, reqs: list[DraftRequest], specs: list, misses: list[int]) -> None:
         if not misses:

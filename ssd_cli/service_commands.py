@@ -14,6 +14,13 @@ logger = logging.getLogger("ssd")
 
 
 def add_parsers(sub) -> None:
+    _add_serve(sub)
+    _add_client(sub)
+
+
+def _add_serve(sub) -> None:
+    """``ssd serve``: every flag is also a key of :class:`cluster.serve_config.ServeSettings` (tested); none has
+    a parser default, so the ones given override the config file."""
     s = sub.add_parser("serve", argument_default=argparse.SUPPRESS,
                        help="serve the gRPC API (and OpenAI-compatible HTTP) with drafter and verifier as Ray actors")
     s.add_argument("--config", help="a YAML file of these settings (keys are the flag names: `max-model-len: "
@@ -27,6 +34,10 @@ def add_parsers(sub) -> None:
     s.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port (same host as the gRPC API; 0 = any free port)")
     s.add_argument("--served-model-name", help="the `model` name HTTP clients use (default: the target's name)")
+    _add_serve_engine(s)
+
+
+def _add_serve_engine(s) -> None:
     s.add_argument("--k", type=int, help="lookahead K (default 2, the best measured on CPU)")
     s.add_argument("--budget", type=int, help="pre-drafted branches per request (fan-out budget)")
     s.add_argument("--saguaro-c", type=float, help="Saguaro down-weighting C in (0, 1] (default 1)")
@@ -62,6 +73,9 @@ def add_parsers(sub) -> None:
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8")
 
+
+
+def _add_client(sub) -> None:
     c = sub.add_parser("client", help="talk to a running `ssd serve`")
     csub = c.add_subparsers(dest="client_command", required=True)
     g = csub.add_parser("generate", help="stream one generation to the terminal")

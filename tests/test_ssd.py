@@ -207,8 +207,7 @@ def test_local_drafter_killed_mid_stream_recovers(tiny_models):
 def test_seeded_sampling_gives_the_same_tokens_in_every_regime(tiny_models):
     """A seeded sampled request's tokens do not depend on whether its rounds hit a pre-drafted branch, were
     drafted just in time, or would have fallen back to the n-gram backup (which a seeded request waits out).
-    In-process transport (deterministic): the two-process drafter's timing-dependent stale-K/V drafts (see the
-    README's "Known issues") would make this comparison flaky there."""
+    In-process transport, so each regime is forced exactly (over ``ssd serve``: tests/test_openai_http.py)."""
     from drafter_service.loopback import LoopbackLink
     from drafter_service.ssd_drafter import SSDDrafter
     from verifier_service.engine import EngineConfig, VerifierEngine
