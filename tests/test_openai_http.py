@@ -141,6 +141,11 @@ def test_unknown_model_is_openais_404_and_extras_are_tolerated(client, model) ->
     assert res.usage.completion_tokens >= 1
 
 
+def test_model_may_be_left_out_as_vllm_allows(http, model) -> None:
+    status, obj = _post(f"{http}/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True}))
+    assert status == 200 and obj["model"] == model and obj["usage"]["completion_tokens"] == 2
+
+
 @pytest.mark.parametrize("body, param", [
     ("{not json", None),
     (json.dumps({"model": "M", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),

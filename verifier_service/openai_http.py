@@ -131,6 +131,8 @@ class OpenAIHandlers:
             param = ".".join(str(x) for x in first.get("loc", ()))
             raise oa.OpenAIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
                                  param=param or None) from None
+        if req.model is None:
+            req.model = self.model_names[0]
         if req.model not in self.model_names:
             raise oa.OpenAIError(404, f"The model `{req.model}` does not exist.", param="model",
                                  code="model_not_found")

@@ -45,7 +45,7 @@ class _Common(BaseModel):
     """The sampling fields both endpoints share."""
 
     model_config = ConfigDict(extra="allow")
-    model: str
+    model: str | None = None  # None: the served model (as vLLM allows)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 mean off
