@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -28,6 +29,8 @@ def test_readme_serve_command_serves_within_two_minutes() -> None:
     port = int(m.group(1)) if (m := re.search(r"--port[ =](\d+)", command)) else 8000
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["RAY_AUTH_MODE"] = "disabled"
+    # as a user with the virtual environment active (`make test` runs .venv/bin/python without activating it)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     proc = subprocess.Popen(command, shell=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     t0 = time.monotonic()
@@ -49,8 +52,15 @@ def test_readme_serve_command_serves_within_two_minutes() -> None:
         assert "Paris" in res.choices[0].message.content
         print(f"README serve command: serving after {elapsed:.0f} s")
     finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C to the command's process group (serve shuts down), then a kill if it lingers."""
+    try:
         os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
