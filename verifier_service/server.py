@@ -232,11 +232,7 @@ class VerifierServer:
         c = self.config
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "[::]", "") else c.host
         stubs = LoopbackStubs(f"{host}:{grpc_port}", channel_options())
-        from prometheus_client import generate_latest
-
-        registry = self.metrics.registry if self.metrics is not None else None
-        metrics = (lambda: generate_latest(registry)) if registry is not None else None
-        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, metrics)
+        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, self.metrics.exposition)
         self.http = HttpServerThread(create_app(handlers), c.host, c.http_port)
         self.http_address = f"{c.host}:{self.http.start()}"
         logger.info("OpenAI-compatible HTTP on http://%s (model %s)", self.http_address, self.model_name)

@@ -190,16 +190,7 @@ class SSDProposer:
             deadline = t0 + (self.wait_fraction * self.verify_s_ema if self.jit_allowed else 0.0)
             while waiting and time.perf_counter() < deadline:
                 self._drain(timeout=max(0.0, deadline - time.perf_counter()))
-                still = []
-                for seq in waiting:
-                    spec, _ = self._lookup(self.state[seq.request_id])
-                    if spec is None:
-                        still.append(seq)
-                    else:
-                        specs[seq.request_id] = spec
-                        self.stats.jit += 1
-                        self.state[seq.request_id].source = "jit"
-                waiting = still
+                waiting = [seq for seq in waiting if not self._take_jit(seq, specs)]
             waiting = self._await_reproducible(waiting, specs)
             waited = time.perf_counter() - t0
             self.stats.wait_s += waited
@@ -216,14 +207,18 @@ class SSDProposer:
         must = [s for s in waiting if s.reproducible]
         while must and self.link.alive and time.perf_counter() < deadline:
             self._drain(timeout=0.05)
-            for seq in list(must):
-                spec, _ = self._lookup(self.state[seq.request_id])
-                if spec is not None:
-                    specs[seq.request_id] = spec
-                    self.stats.jit += 1
-                    self.state[seq.request_id].source = "jit"
-                    must.remove(seq)
+            must = [seq for seq in must if not self._take_jit(seq, specs)]
         return [s for s in waiting if specs.get(s.request_id) is None]
+
+    def _take_jit(self, seq: Sequence, specs: dict) -> bool:
+        """Put ``seq``'s speculation in ``specs`` if the drafter has delivered it since the step began."""
+        spec, _ = self._lookup(self.state[seq.request_id])
+        if spec is None:
+            return False
+        specs[seq.request_id] = spec
+        self.stats.jit += 1
+        self.state[seq.request_id].source = "jit"
+        return True
 
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
         st = self.state[seq.request_id]
