@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
-from spec_core.config import CacheConfig, ModelConfig, SpeculationConfig, SSDConfig
+from spec_core.config import SSD_DEFAULT_TREE, CacheConfig, ModelConfig, SpeculationConfig, SSDConfig, TreeShape
 from spec_core.fanout import FanoutConfig
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
@@ -43,6 +43,8 @@ class PairConfig:
     k: int = 2
     budget: int = FanoutConfig().budget
     saguaro_c: float = 1.0
+    #: SSD's candidate tree per outcome: "chain" or WIDTHxLEVELS (:class:`spec_core.config.TreeShape`).
+    tree: str = str(SSD_DEFAULT_TREE)
     dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 50051
@@ -72,7 +74,8 @@ class PairConfig:
 
     def verifier_config(self) -> VerifierServerConfig:
         spec = SpeculationConfig(mode="ssd", k=self.k, budget=self.budget, saguaro_c=self.saguaro_c,
-                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy)
+                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
+                                 tree=TreeShape.parse(self.tree))
         return VerifierServerConfig(ModelConfig(self.target_path, self.dtype, self.device), spec=spec,
                                     cache=CacheConfig(kv_memory_fraction=self.kv_memory_fraction),
                                     scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -84,7 +87,8 @@ class PairConfig:
                                     **self.extra_verifier)
 
     def drafter_config(self) -> DrafterServerConfig:
-        ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c)
+        ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
+                        tree=TreeShape.parse(self.tree))
         return DrafterServerConfig(ModelConfig(self.draft_path, self.dtype, self.device), ssd, host="node-ip",
                                    kv_memory_fraction=self.kv_memory_fraction)
 

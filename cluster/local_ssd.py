@@ -72,7 +72,7 @@ class LocalSSD:
     def _spawn(self) -> None:
         cfg, ssd = self.config, self.config.ssd
         hello = codec.make_hello("", self.target.vocab_size, ssd.k, ssd.fanout.budget,
-                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind), cfg.backup, cfg.wait_fraction)
+                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), cfg.backup, cfg.wait_fraction)
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."),
@@ -104,8 +104,9 @@ class LocalSSD:
             os.sched_setaffinity(0, {cfg.verifier_core})
         torch.set_num_threads(1)
         proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction,
-                               backup_policy=cfg.backup_policy, device=self.target.device)
-        sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.k)
+                               backup_policy=cfg.backup_policy, device=self.target.device,
+                               max_nodes=cfg.ssd.max_nodes)
+        sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.max_nodes)
         self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
                                                                verify_delay_s=cfg.verify_delay_s),
                                      drafter=proposer, k=cfg.ssd.k)

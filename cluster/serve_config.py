@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from spec_core.config import SSD_DEFAULT_TREE, TreeShape
 from spec_core.fanout import FanoutConfig
 
 
@@ -36,7 +37,13 @@ class ServeSettings(BaseModel):
     k: int = Field(2, ge=1)
     budget: int | None = Field(None, ge=1)
     saguaro_c: float = Field(1.0, gt=0, le=1)
+    tree: str = str(SSD_DEFAULT_TREE)
     fixed_k: bool = False
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_shape(cls, v: str) -> str:
+        return str(TreeShape.parse(v))
     backup_policy: Literal["auto", "neural", "fast"] = "auto"
     # engine
     max_num_seqs: int = Field(16, ge=1)
@@ -82,7 +89,7 @@ class ServeSettings(BaseModel):
         absolute = lambda p: os.path.abspath(p) if p else None  # noqa: E731 - the actors may run elsewhere
         return PairConfig(
             self.target or pair["target"], self.draft or pair["draft"], k=self.k,
-            budget=self.budget or FanoutConfig().budget, saguaro_c=self.saguaro_c, dtype=self.dtype, host=self.host,
+            budget=self.budget or FanoutConfig().budget, saguaro_c=self.saguaro_c, tree=self.tree, dtype=self.dtype, host=self.host,
             port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
             use_gpu={"auto": None, "yes": True, "no": False}[self.gpu], strategy=self.strategy,
             gpu_fraction=self.gpu_fraction, device=self.device, kv_memory_fraction=self.kv_memory_fraction,

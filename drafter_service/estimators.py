@@ -22,6 +22,23 @@ def _decay_factor(half_life: float | None) -> float:
     return 0.5 ** (1.0 / half_life)
 
 
+class RateEstimator:
+    """A Bernoulli rate with exponentially weighted counts and a prior of ``prior_weight`` trials at ``prior``."""
+
+    def __init__(self, prior: float, prior_weight: float = 5.0, half_life: float | None = 200.0) -> None:
+        self._decay = _decay_factor(half_life)
+        self._prior, self._prior_weight = prior, prior_weight
+        self._hits = self._trials = 0.0
+
+    def update(self, hit: bool) -> None:
+        self._hits = self._hits * self._decay + float(hit)
+        self._trials = self._trials * self._decay + 1.0
+
+    @property
+    def value(self) -> float:
+        return (self._hits + self._prior * self._prior_weight) / (self._trials + self._prior_weight)
+
+
 class AcceptanceEstimator:
     """Per-token acceptance a from accepted counts of capped-geometric rounds (k accepted out of K drafted).
 

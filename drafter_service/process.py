@@ -204,11 +204,12 @@ class DrafterLoop:
             if req is None:
                 continue
             bundle = req.bundle
-            own = bundle is not None and bundle.round == ev.round and bundle.base_tokens == ev.verified
+            own = (bundle is not None and bundle.round == ev.round and bundle.base_tokens == ev.verified
+                   and bundle.base_parents == ev.parents)
             hit = own and ev.key in bundle.entries
             if own:
-                self.drafter.observe(req, ev.num_accepted, len(ev.verified), ev.bonus)
-            self.drafter.commit_outcome(req, ev.accepted, ev.bonus, own_speculation=own)
+                self.drafter.observe(req, ev)
+            self.drafter.commit_outcome(req, ev.accepted, ev.bonus, ev.spine_accepted if own else 0)
             req.round = ev.round + 1
             req.k = min(ev.next_k, self.drafter.config.k)
             same = [j for j, r in enumerate(reqs) if r is req]

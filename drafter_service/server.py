@@ -112,7 +112,7 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
             logger.info("drafter KV pool: %d blocks of %d tokens", blocks, ssd.block_size)
         self.config = config
         self.expected = codec.make_hello(vocab_hash, runner.vocab_size, ssd.k, ssd.fanout.budget,
-                                         codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind))
+                                         codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree))
         self.session: _Session | None = None
         self.sessions_started = 0
 

@@ -2,21 +2,25 @@
 
 After the verifier's outcome of round R, for each request the drafter:
   1. takes S_{R+1} from its cache on a hit, or drafts it just in time (K single-token steps, batched);
-  2. runs the *glue* forward over ``[bonus, S_{R+1}]`` (K+1 tokens at their true positions), giving the draft
-     distributions L_0..L_K after each prefix of the speculation;
-  3. forks the top-F_j candidate bonus tokens at every position j (excluding the drafted token S[j] for j < K:
-     after a rejection at j the bonus is never S[j] under greedy decoding and rarely under sampling);
+  2. runs the *glue* forward over ``[bonus, S_{R+1}]`` (the root and the speculation's nodes at their true
+     positions, with tree attention when S is a tree), giving the draft distribution after every outcome slot
+     (slot 0: the root; slot i + 1: node i, see :mod:`spec_core.speculation`);
+  3. forks the top-F_j candidate bonus tokens at every slot j (excluding the tokens of the slot's own children:
+     after a rejection there the bonus is never one of them under greedy decoding and rarely under sampling);
   4. decodes K tokens for every branch of every request in K batched forwards with tree attention (a branch sees
-     the prefix, ``glue[0..j]`` and its own earlier tokens; its K/V goes to scratch slots past the glue);
-  5. returns one :class:`BranchBundle` per request: ``(j, candidate) → Speculation`` with the exact q rows.
+     the prefix, the glue along its slot's path and its own earlier tokens; its K/V goes to scratch slots past the
+     glue). For greedy requests each step's next ``width - 1`` choices become leaves beside the spine
+     (:class:`spec_core.config.TreeShape`): a candidate tree per outcome, at no extra draft forward;
+  5. returns one :class:`BranchBundle` per request: ``(slot, candidate) → Speculation`` with the exact q rows.
 
 Out of KV blocks: a request whose slots do not fit in the pool gets a smaller bundle (trunk only, no branches) or
 none at all (its round misses and the verifier uses its backup), and an empty just-in-time draft (the verifier then
 decodes one token). Nothing is allocated for it; it drafts again once other requests free blocks. The pool is never
 a reason to fail a request.
 
-KV reconciliation: on the next outcome (k accepted) the trunk ``prefix + bonus + S[:k]`` stays (it is the glue's
-K/V at its true positions) and everything past it is truncated; the branch that hit is re-glued next round.
+KV reconciliation: on the next outcome the trunk ``prefix + bonus + S[:j]`` stays, for the j accepted tokens on
+S's spine (the glue's K/V at its true positions), and everything past it is truncated; an accepted leaf and the
+branch that hit are re-glued next round.
 
 Saguaro sampling: sampled requests draw from q′ = q with the top-F tokens' mass scaled by C (then renormalised) and
 ship q′, so the verifier's acceptance test and residual use q′ and stay exact.
@@ -30,15 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
+from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig
-from spec_core.fanout import fanout_for
+from spec_core.fanout import fanout_for, tree_fanout
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.sequence import DRAFT, Sequence
-from spec_core.speculation import BranchBundle, Speculation
+from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, spine_tree
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
 
@@ -46,6 +50,13 @@ logger = logging.getLogger(__name__)
 
 #: Candidate ranks tracked per position for the miss-exponent estimate.
 MAX_RANK = 16
+
+
+def leaf_tokens(logits: torch.Tensor, spine: list[int], extra: int) -> list[list[int]]:
+    """For each row of ``logits [m, V]``, its ``extra`` likeliest tokens other than the row's spine token (the
+    leaves beside it; excluding it explicitly keeps them distinct when logits tie)."""
+    top = to_host(torch.topk(logits, extra + 1, dim=-1).indices)
+    return [[t for t in row if t != tok][:extra] for row, tok in zip(top, spine)]
 
 
 @dataclass(slots=True)
@@ -72,8 +83,11 @@ class SSDDrafter:
         self.requests: dict[str, DraftRequest] = {}
         self.acceptance = AcceptanceEstimator()
         self.miss = MissExponentEstimator(max_rank=MAX_RANK)
+        #: P(a leaf is accepted | the spine is rejected at a node with leaves), for the tree's fan-out.
+        self.leaf = RateEstimator(prior=0.3)
         self.accept_rate = self.acceptance.value
         self.miss_exponent = self.miss.r
+        self.leaf_rate = self.leaf.value
         self.jit_s_per_token = 0.0
         #: Times a request's drafting was cut short because the KV pool was out of blocks.
         self.out_of_blocks = 0
@@ -125,6 +139,10 @@ class SSDDrafter:
         q_prime = torch.zeros(logits.shape[0], vocab, device=logits.device).scatter_(-1, idx, small)
         return toks, q_prime
 
+    def _leaves(self, req: DraftRequest, k: int) -> list[int]:
+        """Leaves per spine depth for ``req`` (none for sampled requests: see :class:`TreeShape`)."""
+        return self.config.tree.leaves(k) if req.seq.params.greedy else [0] * k
+
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
         return forward_items(self.runner, self.cache, items)
 
@@ -149,14 +167,24 @@ class SSDDrafter:
         rows = [DraftRow(reqs[i].seq.token_ids, reqs[i].num_computed, reqs[i].k,
                          lambda a, b, rid=reqs[i].seq.request_id: self._slots(rid, a, b)) for i in live]
 
+        leaves = {i: self._leaves(reqs[i], reqs[i].k) for i in live}
+        side: dict[int, list[list[int]]] = {i: [] for i in live}
+
         def sample(idx: list[int], logits: torch.Tensor, width: int, depth: int):
-            return [self._pick_rows(reqs[live[j]], logits[p, :width], [reqs[live[j]].seq.num_tokens + depth])
-                    for p, j in enumerate(idx)]
+            picked = []
+            for p, j in enumerate(idx):
+                i = live[j]
+                picked.append(self._pick_rows(reqs[i], logits[p, :width], [reqs[i].seq.num_tokens + depth]))
+                extra = leaves[i][depth]
+                side[i].append(leaf_tokens(logits[p, :1], picked[-1][0], extra)[0] if extra else [])
+            return picked
 
         for i, tree in zip(live, draft_trees(self.runner, self.cache, rows, 1, sample)):
             r = reqs[i]
             r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
-            out[i] = Speculation(tree.token_ids, torch.stack(tree.q_rows) if tree.q_rows else None, source="jit")
+            tokens, parents = spine_tree(tree.token_ids, side[i])
+            out[i] = Speculation(tokens, torch.stack(tree.q_rows) if tree.q_rows else None, source="jit",
+                                 parents=parents)
         return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
@@ -175,30 +203,41 @@ class SSDDrafter:
     def _fit_fanout(self, r: DraftRequest, s: Speculation) -> list[int] | None:
         """The fan-out for ``r`` with its slots reserved: the full one, else the trunk alone (no branches), else
         None when not even the glue fits."""
-        fan = fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
+        fan = self._slot_fanout(s)
         n = r.seq.num_tokens
-        if self._reserve(r, n + s.k + r.k * sum(fan)):
+        if self._reserve(r, n + s.num_nodes + r.k * sum(fan)):
             return fan
-        return [0] * len(fan) if self._reserve(r, n + s.k) else None
+        return [0] * len(fan) if self._reserve(r, n + s.num_nodes) else None
+
+    def _slot_fanout(self, s: Speculation) -> list[int]:
+        """F per outcome slot of ``s`` (its root, then every node): the spine's schedule, plus its leaves'."""
+        if s.parents is None:
+            return fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
+        depth = node_depths(s.parents)
+        leaves = [0] * s.k
+        for i in range(s.k, s.num_nodes):
+            leaves[depth[i] - 1] += 1
+        return tree_fanout(self.config.fanout, s.k, leaves, self.accept_rate, self.miss_exponent, self.leaf_rate)
 
     def _build(self, reqs: list[DraftRequest], specs: list[Speculation], fans: list[list[int]]) -> list[BranchBundle]:
         glue_items = []
         for r, s in zip(reqs, specs):
             rid, n = r.seq.request_id, r.seq.num_tokens
             c = min(r.num_computed, n - 1)
-            tokens = r.seq.token_ids[c:] + s.token_ids
-            glue_items.append(WorkItem(self._slots(rid, 0, c), tokens, list(range(c, n + s.k)),
-                                       self._slots(rid, c, n + s.k), len(tokens), [],
-                                       list(range(n - 1 - c, len(tokens)))))
+            pending = r.seq.token_ids[c:]
+            glue_items.append(WorkItem(self._slots(rid, 0, c), pending + s.token_ids,
+                                       list(range(c, n)) + [n - 1 + d for d in node_depths(s.tree_parents)],
+                                       self._slots(rid, c, n + s.num_nodes), len(pending), s.tree_parents,
+                                       list(range(n - 1 - c, n - c + s.num_nodes))))
         glue_logits = self._forward(glue_items)
         branches: list[list[tuple[int, int]]] = []
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
-            r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S (speculatively)
+            r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S's spine (speculatively)
             roots = []
             r.candidates = {}
-            rows = glue_logits[i, : s.k + 1].clone()
-            if s.k:  # after a rejection at j the bonus is never S[j] (greedy), so it is not a candidate there
-                drafted = to_device([list(range(s.k)), s.token_ids[: s.k]], rows.device, torch.long)
+            rows = glue_logits[i, : s.num_nodes + 1].clone()
+            if s.num_nodes:  # after a rejection at a slot the bonus is never one of its children's tokens (greedy)
+                drafted = to_device([[p + 1 for p in s.tree_parents], s.token_ids], rows.device, torch.long)
                 rows[drafted[0], drafted[1]] = float("-inf")
             width = max(max(fan), min(MAX_RANK, rows.shape[-1] - 1))
             ranked_rows = to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
@@ -212,6 +251,10 @@ class SSDDrafter:
         now_tokens = [[c for _, c in br] for br in branches]
         out_tokens: list[list[list[int]]] = [[[] for _ in br] for br in branches]
         out_rows: list[list[list[torch.Tensor]]] = [[[] for _ in br] for br in branches]
+        out_leaves: list[list[list[list[int]]]] = [[[] for _ in br] for br in branches]
+        # Each branch's slot: the glue nodes it sees (root + its path) and its depth (the bonus sits at n + depth).
+        paths = [[path_nodes(s.parents, j) for j, _ in br] for s, br in zip(specs, branches)]
+        leaves = [self._leaves(r, r.k) for r in reqs]
         k_max = max((r.k for r in reqs), default=0)
         for step in range(k_max):
             items, live = [], []
@@ -220,55 +263,67 @@ class SSDDrafter:
                     continue
                 live.append(i)
                 rid, n, m = r.seq.request_id, r.seq.num_tokens, len(br)
-                base = n + s.k  # first scratch position (slots only; RoPE positions are the true ones)
-                glue = self._slots(rid, n - 1, n + s.k)
+                base = n + s.num_nodes  # first scratch position (slots only; RoPE positions are the true ones)
+                glue = self._slots(rid, n - 1, n + s.num_nodes)
                 earlier = self._slots(rid, base, base + step * m)
                 mask = torch.zeros(m, len(glue) + len(earlier), dtype=torch.bool)
-                for b, (j, _) in enumerate(br):
-                    mask[b, : j + 1] = True
+                for b, path in enumerate(paths[i]):
+                    mask[b, [0] + [p + 1 for p in path]] = True
                     mask[b, len(glue) + b :: m] = True
                 items.append(WorkItem(self._slots(rid, 0, n - 1), [now_tokens[i][b] for b in range(m)],
-                                      [n + j + step for j, _ in br], self._slots(rid, base + step * m,
-                                                                                 base + (step + 1) * m),
+                                      [n + len(path) + step for path in paths[i]],
+                                      self._slots(rid, base + step * m, base + (step + 1) * m),
                                       0, [-1] * m, list(range(m)), extra_slots=glue + earlier, extra_mask=mask))
             logits = self._forward(items)
             for j, i in enumerate(live):
                 m = len(branches[i])
-                n = reqs[i].seq.num_tokens  # branch (a, bonus) drafts from position n + a + 1 on
-                toks, qs = self._pick_rows(reqs[i], logits[j, :m], [n + a + step + 1 for a, _ in branches[i]])
+                n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on
+                toks, qs = self._pick_rows(reqs[i], logits[j, :m], [n + len(p) + step + 1 for p in paths[i]])
+                extra = leaves[i][step]
+                side = leaf_tokens(logits[j, :m], toks, extra) if extra else None
                 for b, tok in enumerate(toks):
                     out_tokens[i][b].append(tok)
+                    out_leaves[i][b].append(side[b] if side is not None else [])
                     if qs is not None:
                         out_rows[i][b].append(qs[b])
                     now_tokens[i][b] = tok
         now = time.perf_counter()
         bundles = []
         for i, (r, br) in enumerate(zip(reqs, branches)):
-            entries = {key: Speculation(out_tokens[i][b], torch.stack(out_rows[i][b]) if out_rows[i][b] else None)
-                       for b, key in enumerate(br)} if not self.config.drop_cache else {}
-            bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now))
+            entries = {}
+            for b, key in enumerate(br if not self.config.drop_cache else []):
+                tokens, parents = spine_tree(out_tokens[i][b], out_leaves[i][b])
+                entries[key] = Speculation(tokens, torch.stack(out_rows[i][b]) if out_rows[i][b] else None,
+                                           parents=parents)
+            bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now,
+                                        base_parents=specs[i].parents))
         return bundles
 
-    def observe(self, req: DraftRequest, num_accepted: int, k: int, bonus: int) -> None:
-        """Feed the estimators with a real outcome of this drafter's own speculation."""
-        if k > 0:
-            self.acceptance.update(num_accepted, k)
-        ranked = req.candidates.get(num_accepted)
+    def observe(self, req: DraftRequest, ev: OutcomeEvent) -> None:
+        """Feed the estimators with a real outcome of this drafter's own speculation: the spine's acceptance, the
+        leaves' (when the spine was rejected where it had leaves), and the bonus's rank at its slot."""
+        spine = Speculation(ev.verified, parents=ev.parents).k
+        on_spine = ev.spine_accepted
+        off = ev.key[0] > len(ev.path)
+        if spine > 0:
+            self.acceptance.update(on_spine, spine)
+        if ev.parents is not None and on_spine < spine and (off or any(p == on_spine - 1 for p in ev.parents[spine:])):
+            self.leaf.update(off)
+        ranked = req.candidates.get(ev.key[0])
         if ranked is not None:
-            self.miss.update(ranked.index(bonus) + 1 if bonus in ranked else None)
+            self.miss.update(ranked.index(ev.bonus) + 1 if ev.bonus in ranked else None)
 
     def refresh_estimates(self) -> None:
         self.accept_rate = self.acceptance.value
         self.miss_exponent = self.miss.r
+        self.leaf_rate = self.leaf.value
 
-    def commit_outcome(self, req: DraftRequest, accepted: list[int], bonus: int, own_speculation: bool) -> None:
-        """Append the real outcome; keep the trunk K/V (prefix + accepted) and drop everything past it.
-
-        If the verified speculation was not this drafter's (a backup's), the glue K/V past the old bonus belongs
-        to other tokens and is dropped too.
-        """
+    def commit_outcome(self, req: DraftRequest, accepted: list[int], bonus: int, kv_accepted: int) -> None:
+        """Append the real outcome; keep the trunk K/V (prefix + the first ``kv_accepted`` accepted tokens, those
+        whose K/V this drafter wrote at their true positions: the accepted part of its own speculation's spine)
+        and drop everything past it. For a speculation not its own (a backup's) ``kv_accepted`` is 0."""
         n_before = req.seq.num_tokens
-        valid = min(req.num_computed, n_before + (len(accepted) if own_speculation else 0))
+        valid = min(req.num_computed, n_before + kv_accepted)
         req.seq.output_ids.extend(accepted + [bonus])
         req.num_computed = valid
         if req.seq.request_id in self.blocks.tables:

@@ -38,6 +38,15 @@ def unpack_ids(blob: bytes) -> list[int]:
     return np.frombuffer(blob, dtype=_I32).tolist()
 
 
+def pack_parents(parents: list[int] | None) -> bytes:
+    """A tree's parent indices (int32; -1 is the root); a chain (None) is empty."""
+    return b"" if parents is None else pack_ids(parents)
+
+
+def unpack_parents(blob: bytes) -> list[int] | None:
+    return unpack_ids(blob) if blob else None
+
+
 def pack_probs(probs: torch.Tensor | None) -> bytes:
     if probs is None:
         return b""
@@ -193,7 +202,7 @@ def event_to_pb(ev: object) -> pb.DrafterEvent:
         return pb.DrafterEvent(outcome=pb.Outcome(
             request_id=ev.request_id, round=ev.round, verified_ids=pack_ids(ev.verified),
             num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s,
-            no_jit=not ev.jit))
+            no_jit=not ev.jit, verified_parents=pack_parents(ev.parents), slot=ev.slot))
     if isinstance(ev, FreeEvent):
         return pb.DrafterEvent(free=pb.Free(request_id=ev.request_id))
     raise TypeError(f"not a drafter event: {type(ev).__name__}")
@@ -210,7 +219,8 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
     if kind == "outcome":
         o = msg.outcome
         return OutcomeEvent(o.request_id, o.round, unpack_ids(o.verified_ids), o.num_accepted, o.bonus, o.next_k,
-                            verify_s=o.verify_s, jit=not o.no_jit)
+                            verify_s=o.verify_s, jit=not o.no_jit, parents=unpack_parents(o.verified_parents),
+                            slot=o.slot if o.HasField("slot") else None)
     if kind == "free":
         return FreeEvent(msg.free.request_id)
     raise ValueError(f"unexpected drafter event {kind!r}")
@@ -239,7 +249,8 @@ def unpack_sparse_probs(ids_blob: bytes, vals_blob: bytes, rows: int, width: int
 
 
 def speculation_to_pb(spec: Speculation) -> pb.Speculation:
-    msg = pb.Speculation(token_ids=pack_ids(spec.token_ids), source=spec.source)
+    msg = pb.Speculation(token_ids=pack_ids(spec.token_ids), source=spec.source,
+                         parents=pack_parents(spec.parents or None))
     if spec.draft_probs is not None:
         sparse = pack_sparse_probs(spec.draft_probs)
         if sparse is None:
@@ -255,16 +266,16 @@ def speculation_from_pb(msg: pb.Speculation, vocab_size: int) -> Speculation:
         probs = unpack_sparse_probs(msg.prob_ids, msg.prob_values, len(ids), msg.prob_width, vocab_size)
     else:
         probs = unpack_probs(msg.draft_probs, len(ids), vocab_size)
-    return Speculation(ids, probs, msg.source or "cache")
+    return Speculation(ids, probs, msg.source or "cache", unpack_parents(msg.parents))
 
 
 def message_to_pb(msg: object) -> pb.DrafterMessage:
     if isinstance(msg, BranchBundle):
-        branches = [pb.Branch(num_accepted=k, bonus=b, speculation=speculation_to_pb(s))
+        branches = [pb.Branch(slot=k, bonus=b, speculation=speculation_to_pb(s))
                     for (k, b), s in msg.entries.items()]
         return pb.DrafterMessage(bundle=pb.Bundle(request_id=msg.request_id, round=msg.round,
                                                   base_ids=pack_ids(msg.base_tokens), branches=branches,
-                                                  built_at=msg.ready_at))
+                                                  built_at=msg.ready_at, base_parents=pack_parents(msg.base_parents)))
     if isinstance(msg, SpeculationMsg):
         return pb.DrafterMessage(jit=pb.JitSpeculation(request_id=msg.request_id, round=msg.round,
                                                        speculation=speculation_to_pb(msg.speculation)))
@@ -275,8 +286,9 @@ def message_from_pb(msg: pb.DrafterMessage, vocab_size: int) -> object:
     kind = msg.WhichOneof("msg")
     if kind == "bundle":
         b = msg.bundle
-        entries = {(br.num_accepted, br.bonus): speculation_from_pb(br.speculation, vocab_size) for br in b.branches}
-        return BranchBundle(b.request_id, b.round, unpack_ids(b.base_ids), entries, ready_at=b.built_at)
+        entries = {(br.slot, br.bonus): speculation_from_pb(br.speculation, vocab_size) for br in b.branches}
+        return BranchBundle(b.request_id, b.round, unpack_ids(b.base_ids), entries, ready_at=b.built_at,
+                            base_parents=unpack_parents(b.base_parents))
     if kind == "jit":
         j = msg.jit
         return SpeculationMsg(j.request_id, j.round, speculation_from_pb(j.speculation, vocab_size))
@@ -284,8 +296,10 @@ def message_from_pb(msg: pb.DrafterMessage, vocab_size: int) -> object:
 
 
 # ---- handshake ------------------------------------------------------------------------------------------------
-def sampling_mode(saguaro_c: float, fanout_kind: str) -> str:
-    return f"saguaro:C={saguaro_c:g};fanout={fanout_kind}"
+def sampling_mode(saguaro_c: float, fanout_kind: str, tree: object = "chain") -> str:
+    """What both ends must agree on beyond K and the budget: C, the fan-out kind and the candidate tree's shape
+    (the verifier reserves KV slots for the drafter's largest tree)."""
+    return f"saguaro:C={saguaro_c:g};fanout={fanout_kind};tree={tree}"
 
 
 def make_hello(vocab_hash: str, vocab_size: int, k: int, budget: int, mode: str, backup: str = "ngram",

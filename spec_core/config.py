@@ -139,6 +139,48 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class TreeShape:
+    """The candidate tree drafted for each speculation: a spine of K tokens (the draft's pick at each depth) and,
+    at each of its first ``levels`` depths, the draft's next ``width - 1`` choices as leaves beside the spine node.
+    The leaves come from the logits that picked the spine token, so they cost the drafter nothing; the verifier
+    pays one more tree node each. ``width`` 1 or ``levels`` 0 is a chain. Greedy requests only: a sampled
+    request drafts a chain (its siblings would have to be independent draws, which this shape does not make)."""
+
+    width: int = 1
+    levels: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.width <= 8 or not 0 <= self.levels <= 16:
+            raise ValueError(f"tree width must be in [1, 8] and levels in [0, 16], got {self.width}, {self.levels}")
+
+    @property
+    def is_chain(self) -> bool:
+        return self.width == 1 or self.levels == 0
+
+    def leaves(self, k: int) -> list[int]:
+        """Leaves beside spine node d (depth d + 1) for d < k."""
+        return [self.width - 1 if d < self.levels else 0 for d in range(k)]
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """``chain``, or ``WIDTHxLEVELS`` (e.g. ``2x2``)."""
+        if text == "chain":
+            return cls(1, 0)
+        try:
+            width, levels = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"tree shape must be 'chain' or WIDTHxLEVELS such as 2x2, got {text!r}") from None
+        return cls(width, levels)
+
+    def __str__(self) -> str:
+        return "chain" if self.is_chain else f"{self.width}x{self.levels}"
+
+
+#: The default candidate tree for ``--mode ssd`` (``ssd bench --sweep tree`` measures the alternatives).
+SSD_DEFAULT_TREE = TreeShape(2, 2)
+
+
+@dataclass(frozen=True, slots=True)
 class SSDConfig:
     """The SSD drafter: K tokens per speculation, the fan-out over outcomes, Saguaro's C and its KV pool."""
 
@@ -154,6 +196,13 @@ class SSDConfig:
     drop_cache: bool = False
     #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
     ship_raw_q: bool = False
+    #: The tree drafted per outcome (greedy requests); a chain is today's SSD.
+    tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
+
+    @property
+    def max_nodes(self) -> int:
+        """The largest speculation this drafter sends: K spine nodes and the tree's leaves."""
+        return self.k + sum(self.tree.leaves(self.k))
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:
@@ -193,6 +242,8 @@ class SpeculationConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs, down to 0 (plain decoding) when speculation does not pay.
     adaptive_k: bool = True
+    #: SSD's candidate tree per outcome (the drafter's; the verifier reserves KV slots for it).
+    tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

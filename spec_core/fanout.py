@@ -103,3 +103,29 @@ def fanout_for(config: FanoutConfig, k: int, a: float, r: float) -> list[int]:
     if config.kind == "uniform":
         return uniform_fanout(k, config.budget)
     return geometric_fanout(k, config.budget, a, r)
+
+
+RHO_MIN, RHO_MAX = 0.02, 0.98
+
+
+def tree_fanout(config: FanoutConfig, k: int, leaves: list[int], a: float, r: float, rho: float) -> list[int]:
+    """Fan-out per outcome slot of a spine of ``k`` tokens with ``leaves[d]`` leaves beside spine node d
+    (:class:`spec_core.config.TreeShape`): slots 0..k are the spine's (slot j: j spine tokens accepted), then one
+    slot per leaf in node order (that leaf accepted). Without leaves this is :func:`fanout_for`.
+
+    ``rho`` is the chance that, the spine being rejected at a node with leaves, one of them is accepted (split
+    evenly among them). The geometric weights then follow the same rule F ∝ P^(1/(1+r)) over the outcome
+    probabilities: the spine slot j < k keeps P(j)(1 - rho) and each leaf at depth j + 1 gets P(j) rho / leaves[j].
+    """
+    if not any(leaves):
+        return fanout_for(config, k, a, r)
+    _check_k_budget(k, config.budget)
+    n_slots = k + 1 + sum(leaves)
+    if config.kind == "uniform":
+        return uniform_fanout(n_slots - 1, config.budget)
+    rho = min(max(rho, RHO_MIN), RHO_MAX)
+    e = 1.0 / (1.0 + r)
+    w = geometric_weights(k, a, r)
+    spine = [w[j] * ((1.0 - rho) ** e if j < len(leaves) and leaves[j] else 1.0) for j in range(k)] + [w[k]]
+    side = [w[j] * (rho / leaves[j]) ** e for j in range(min(k, len(leaves))) for _ in range(leaves[j])]
+    return _largest_remainder(spine + side, config.budget)

@@ -8,6 +8,11 @@ drafter drafts S_{R+1} just in time (:class:`SpeculationMsg`) or the verifier us
 
 Every speculation carries the exact distribution each token was sampled from (``draft_probs``, None for greedy
 requests), so the verifier never recomputes q.
+
+Candidate trees: a speculation may be a token tree (``parents``; None is a chain). Its first nodes are the *spine*,
+a chain (node i's parent is i - 1); the rest hang off it. An outcome is keyed by ``(slot, bonus)``: slot 0 is the
+root (nothing accepted) and slot ``i + 1`` node i (the last accepted node). On a chain the slot of k accepted tokens
+is k, so chain keys are the paper's ``(k, bonus)``.
 """
 
 from __future__ import annotations
@@ -20,17 +25,95 @@ import torch
 from spec_core.config import SamplingParams
 
 
+def chain_parents(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    out: list[int] = []
+    for par in parents:
+        out.append(1 if par < 0 else out[par] + 1)
+    return out
+
+
+def spine_length(parents: list[int] | None, n: int) -> int:
+    """How many leading nodes form a chain from the root (all ``n`` when ``parents`` is None)."""
+    if parents is None:
+        return n
+    s = 0
+    while s < len(parents) and parents[s] == s - 1:
+        s += 1
+    return s
+
+
+def path_nodes(parents: list[int] | None, slot: int) -> list[int]:
+    """The node indices from the root to outcome slot ``slot`` (slot 0: none; slot i + 1: through node i)."""
+    if parents is None:
+        return list(range(slot))
+    path, i = [], slot - 1
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def spine_tree(spine: list[int], leaves: list[list[int]]) -> tuple[list[int], list[int] | None]:
+    """(tokens, parents) of a spine with leaves: ``leaves[d]`` sit beside spine node d (same parent, d - 1).
+    Spine nodes come first, then the leaves by depth; parents is None when there are no leaves (a chain)."""
+    tokens, parents = list(spine), chain_parents(len(spine))
+    for d, extra in enumerate(leaves[: len(spine)]):
+        tokens.extend(extra)
+        parents.extend([d - 1] * len(extra))
+    return tokens, (parents if len(tokens) > len(spine) else None)
+
+
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """K proposed tokens following a known root token; ``draft_probs [K, V]`` or None (greedy/deterministic)."""
+    """Proposed tokens following a known root token: a chain (``parents`` None) or a tree whose leading nodes are
+    its spine (module docstring); ``draft_probs [N, V]`` (row i: node i's distribution) or None (greedy)."""
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
     source: str = "cache"
+    parents: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError(f"{len(self.parents)} parents for {len(self.token_ids)} tokens")
+            if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError("a tree's parents must come before their children (-1 is the root)")
 
     @property
     def k(self) -> int:
+        """The spine's length: the lookahead this speculation was drafted for."""
+        return spine_length(self.parents, len(self.token_ids))
+
+    @property
+    def num_nodes(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def tree_parents(self) -> list[int]:
+        return self.parents if self.parents is not None else chain_parents(len(self.token_ids))
+
+    def truncated(self, k: int, max_nodes: int | None = None) -> Speculation:
+        """The nodes of depth <= ``k`` (a speculation drafted for a longer lookahead, used at ``k``), and of those
+        the first ``max_nodes`` (a prefix of a topologically ordered tree is a tree: the verifier's node budget)."""
+        if self.parents is None:
+            k = min(k, max_nodes) if max_nodes is not None else k
+            if k >= len(self.token_ids):
+                return self
+            return Speculation(self.token_ids[:k], None if self.draft_probs is None else self.draft_probs[:k],
+                               self.source)
+        depth = node_depths(self.parents)
+        keep = [i for i, d in enumerate(depth) if d <= k][:max_nodes]
+        if len(keep) == len(self.token_ids):
+            return self
+        new = {old: j for j, old in enumerate(keep)}
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        return Speculation([self.token_ids[i] for i in keep], probs, self.source,
+                           [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep])
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +143,28 @@ class OutcomeEvent:
     #: False when the verifier will not wait for a just-in-time draft on a miss (its backup policy chose the fast
     #: backup): the drafter then builds straight on the backup speculation.
     jit: bool = True
+    #: A tree's parents (None: ``verified`` is a chain) and the outcome slot of the last accepted node (None: the
+    #: chain slot, ``num_accepted``).
+    parents: list[int] | None = None
+    slot: int | None = None
 
     @property
     def key(self) -> tuple[int, int]:
-        return (self.num_accepted, self.bonus)
+        return (self.num_accepted if self.slot is None else self.slot, self.bonus)
+
+    @property
+    def path(self) -> list[int]:
+        return path_nodes(self.parents, self.key[0])
 
     @property
     def accepted(self) -> list[int]:
-        return self.verified[: self.num_accepted]
+        return [self.verified[i] for i in self.path]
+
+    @property
+    def spine_accepted(self) -> int:
+        """How many accepted nodes lie on the spine (their K/V sits at its true positions on the drafter)."""
+        path = self.path
+        return next((j for j, i in enumerate(path) if i != j), len(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +191,8 @@ class BranchBundle:
     base_tokens: list[int]
     entries: dict[tuple[int, int], Speculation] = field(default_factory=dict)
     ready_at: float = 0.0
+    #: The parents of the verified tree (None: ``base_tokens`` is a chain).
+    base_parents: list[int] | None = None
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+from spec_core.config import SSD_DEFAULT_TREE
 from ssd_cli.main import CliError, print_json
 
 logger = logging.getLogger("ssd")
@@ -41,6 +42,8 @@ def _add_serve_engine(s) -> None:
     s.add_argument("--k", type=int, help="lookahead K (default 2, the best measured on CPU)")
     s.add_argument("--budget", type=int, help="pre-drafted branches per request (fan-out budget)")
     s.add_argument("--saguaro-c", type=float, help="Saguaro down-weighting C in (0, 1] (default 1)")
+    s.add_argument("--tree", help="SSD's candidate tree per outcome: chain, or WIDTHxLEVELS (the draft's next "
+                   f"WIDTH-1 choices beside the spine at its first LEVELS depths; default {SSD_DEFAULT_TREE})")
     s.add_argument("--fixed-k", action="store_true",
                    help="always speculate K tokens (default: adaptive K per step, down to 0, from measured costs)")
     s.add_argument("--backup-policy", choices=["auto", "neural", "fast"],

@@ -50,6 +50,9 @@ def tiny_config(family: str, vocab_size: int = 256, **overrides):
     raise ValueError(family)
 
 
+NOISY_SCALE = 0.05
+
+
 def save_tiny_model(path: Path, family: str, seed: int, **overrides) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -59,12 +62,29 @@ def save_tiny_model(path: Path, family: str, seed: int, **overrides) -> Path:
     return path
 
 
+def save_noisy_copy(src: Path, path: Path, scale: float, seed: int) -> Path:
+    """``src`` with Gaussian noise (``scale`` × each tensor's std) on every weight: a draft that agrees with its
+    target often, not always (what tree and outcome speculation need to be exercised)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * p.float().std().nan_to_num() * scale)
+    model.save_pretrained(str(path))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Random tiny Llama and Qwen3 targets, plus a smaller draft for each (same vocabulary)."""
+    """Random tiny Llama and Qwen3 targets, plus a smaller draft for each (same vocabulary), and a noisy copy of
+    the Llama target (a draft that mostly agrees with it)."""
     base = tmp_path_factory.mktemp("tiny")
+    llama = save_tiny_model(base / "llama", "llama", 1)
     return {
-        "llama": save_tiny_model(base / "llama", "llama", 1),
+        "llama": llama,
+        "llama-noisy": save_noisy_copy(llama, base / "llama-noisy", NOISY_SCALE, 6),
         "llama-draft": save_tiny_model(base / "llama-draft", "llama", 2, hidden_size=32, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
         "qwen3": save_tiny_model(base / "qwen3", "qwen3", 3),

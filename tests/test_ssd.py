@@ -47,6 +47,8 @@ def _run(target, cfg: LocalSSDConfig, prompts, n_new: int):
 REGIMES = {
     # the target as its own drafter with a slow verifier: (nearly) every round hits
     "all_hits": dict(draft="llama", verify_delay_s=0.15),
+    # a draft that mostly agrees (the target plus noise): candidate trees hit, through leaves too
+    "tree_hits": dict(draft="llama-noisy", verify_delay_s=0.15),
     # a drafter that drops its cache: every round misses and is drafted just in time
     "forced_miss": dict(draft="llama-draft", verify_delay_s=0.05, drop_cache=True),
     # a drafter far too slow: the verifier falls back to the n-gram backup
@@ -69,6 +71,8 @@ def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
     assert outs == _reference(target, prompts, 24)
     if regime == "all_hits":
         assert stats.cache_hit_rate >= 0.6, stats
+    if regime == "tree_hits":
+        assert stats.hits > 0 and stats.off_spine_rounds > 0 and stats.tree_nodes > 4 * stats.rounds, stats
     if regime == "forced_miss":
         assert stats.hits == 0 and stats.jit > 0, stats
     if regime == "ngram_backup":
@@ -265,10 +269,11 @@ def test_prefill_and_first_outcome_in_one_drafter_batch_keep_its_kv_right(tiny_m
             super().flush()
 
     target = ModelRunner(tiny_models["llama"])
-    drafter = SSDDrafter(ModelRunner(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6),
-                                                                      drop_cache=True))
+    cfg = SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=True)
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama"]), cfg)
     proposer = SSDProposer(Busy(drafter), 256, wait_fraction=0.5)
-    engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4, max_spec_nodes=3)),
+    engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4,
+                                                                           max_spec_nodes=cfg.max_nodes)),
                             drafter=proposer, k=3)
     prompts = _prompts(4)
     seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=17, ignore_eos=True)) for i, p in enumerate(prompts)]

@@ -96,6 +96,8 @@ class VerifierEngine:
         self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.drafter = drafter
+        if drafter is not None and getattr(drafter, "max_nodes", 0) is None:
+            drafter.max_nodes = config.scheduler.max_spec_nodes  # the slots reserved per round bound a tree's size
         self.k = k if drafter is not None else 0
         #: Optional :class:`verifier_service.adaptive.AdaptiveK`: K per request and step from measured costs.
         self.adaptive = None

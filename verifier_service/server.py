@@ -147,7 +147,7 @@ class VerifierServer:
     def hello(self) -> pb.Hello:
         sp = self.config.spec
         return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, sp.k, sp.budget,
-                                codec.sampling_mode(sp.saguaro_c, sp.fanout), sp.backup, sp.wait_fraction)
+                                codec.sampling_mode(sp.saguaro_c, sp.fanout, sp.tree), sp.backup, sp.wait_fraction)
 
     def _build_engine(self, drafter_address: str | None) -> VerifierEngine:
         c, sp, cache = self.config, self.config.spec, self.config.cache
@@ -170,7 +170,8 @@ class VerifierServer:
             blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, draft.kv_bytes_per_token(),
                                  cache.block_size, draft.device, 2048)
             proposer = BatchDrafter(draft, DraftConfig(k=sp.k, num_blocks=blocks, block_size=cache.block_size))
-        sched = replace(c.scheduler, max_spec_nodes=max(1, sp.k * branching))
+        nodes = sp.k + sum(sp.tree.leaves(sp.k)) if sp.mode == "ssd" else sp.k * branching
+        sched = replace(c.scheduler, max_spec_nodes=max(1, nodes))
         target = self.pair.target
         blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, target.kv_bytes_per_token(),
                              cache.block_size, target.device, 2048)

@@ -26,6 +26,7 @@ from spec_core.speculation import (
     PrefillEvent,
     Speculation,
     SpeculationMsg,
+    spine_length,
 )
 from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
@@ -68,6 +69,19 @@ class SSDStats:
     bundles_received: int = 0
     branches_received: int = 0
     jit_received: int = 0
+    #: Candidate trees: nodes verified over speculating rounds, rounds whose accepted path left the spine, and
+    #: hits by the kind of outcome they predicted: all of the spine accepted, a rejection on it, or a path
+    #: through an off-spine node.
+    tree_nodes: int = 0
+    off_spine_rounds: int = 0
+    hits_all_accepted: int = 0
+    hits_rejected: int = 0
+    hits_off_spine: int = 0
+
+    @property
+    def mean_tree_nodes(self) -> float | None:
+        spec_rounds = sum(self.accepted_hist)
+        return self.tree_nodes / spec_rounds if spec_rounds else None
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -78,6 +92,7 @@ class SSDStats:
 class _ReqState:
     round: int = 0
     verified: list[int] = field(default_factory=list)
+    verified_parents: list[int] | None = None  # None: ``verified`` is a chain
     last_key: tuple[int, int] | None = None
     verify_end: float = 0.0
     used_hit: bool = False
@@ -92,12 +107,16 @@ class SSDProposer:
 
     def __init__(self, link: DrafterLink, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
                  backup_greedy_match: bool = False, backup_policy: str = "auto",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", max_nodes: int | None = None) -> None:
         """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
         verify), ``fast`` uses the n-gram backup at once, ``auto`` picks per step by batch size from measured
         timings (the paper's b*, :func:`spec_core.policy.choose_backup`). ``device``: the target's, where the q rows
         of sampled speculations (decoded on the host by the codec) are moved, one upload per speculation.
-        ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match verification of backups)."""
+        ``max_nodes``: the most tree nodes the engine reserves per request and round; a larger candidate tree
+        loses its last nodes (leaves). ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match
+        verification of backups)."""
+        self.max_nodes = max_nodes
+        self._warned_cap = False
         if backup not in ("ngram", "none"):
             raise ValueError(f"backup must be 'ngram' or 'none', got {backup!r}")
         if backup_policy not in ("auto", "neural", "fast"):
@@ -148,7 +167,8 @@ class SSDProposer:
     def _lookup(self, st: _ReqState) -> tuple[Speculation | None, bool]:
         """(speculation for st.round, counts as hit) if the drafter has provided one."""
         b = st.bundles.get(st.round - 1)
-        if b is not None and b.base_tokens == st.verified and st.last_key in b.entries:
+        if (b is not None and b.base_tokens == st.verified and b.base_parents == st.verified_parents
+                and st.last_key in b.entries):
             return b.entries[st.last_key], b.ready_at <= st.verify_end
         for old in [r for r in st.jit if r < st.round]:
             del st.jit[old]
@@ -170,6 +190,8 @@ class SSDProposer:
                 specs[seq.request_id] = None
                 continue
             spec, hit = self._lookup(st)
+            if hit and k > 0:
+                self._count_hit_kind(st)
             if spec is None and k > 0:
                 waiting.append(seq)
             specs[seq.request_id] = spec
@@ -210,6 +232,16 @@ class SSDProposer:
             must = [seq for seq in must if not self._take_jit(seq, specs)]
         return [s for s in waiting if specs.get(s.request_id) is None]
 
+    def _count_hit_kind(self, st: _ReqState) -> None:
+        slot = st.last_key[0]
+        spine = spine_length(st.verified_parents, len(st.verified))
+        if slot > spine:
+            self.stats.hits_off_spine += 1
+        elif slot == spine:
+            self.stats.hits_all_accepted += 1
+        else:
+            self.stats.hits_rejected += 1
+
     def _take_jit(self, seq: Sequence, specs: dict) -> bool:
         """Put ``seq``'s speculation in ``specs`` if the drafter has delivered it since the step began."""
         spec, _ = self._lookup(self.state[seq.request_id])
@@ -231,12 +263,17 @@ class SSDProposer:
                 else:
                     self.stats.backup_misses += 1
         if spec is not None and k > 0:
-            tokens = spec.token_ids[:k]
-            probs = to_device(spec.draft_probs[:k], self.device) if spec.draft_probs is not None else None
-            st.verified = list(tokens)
-            return TokenTree.chain(tokens, probs)
+            if self.max_nodes is not None and spec.num_nodes > self.max_nodes and not self._warned_cap:
+                self._warned_cap = True
+                logger.warning("the drafter sent a %d-node tree; this verifier reserves %d per round, so trees lose "
+                               "their last leaves and miss (check that both ends use the same --tree)",
+                               spec.num_nodes, self.max_nodes)
+            spec = spec.truncated(k, self.max_nodes)
+            probs = to_device(spec.draft_probs, self.device) if spec.draft_probs is not None else None
+            st.verified, st.verified_parents = list(spec.token_ids), spec.parents
+            return TokenTree(spec.tree_parents, list(spec.token_ids), probs)
         tokens = backup_tokens(seq.token_ids, k, self.backup) if k > 0 and st.round > 0 else []
-        st.verified = list(tokens)
+        st.verified, st.verified_parents = list(tokens), None
         if self.down_at_round is not None and self.switch_rounds is None and k > 0 and st.round > 0:
             self.switch_rounds = self.stats.rounds - 1 - self.down_at_round  # rounds served otherwise first
         if not tokens:
@@ -252,9 +289,12 @@ class SSDProposer:
         now = time.perf_counter()
         st.verify_end = now
         accepted = [tree.token_ids[i] for i in path]
+        slot = path[-1] + 1 if path else 0
         if st.round > 0 and tree.num_nodes:
             tokens = len(accepted) + 1
             s = self.stats
+            s.tree_nodes += tree.num_nodes
+            s.off_spine_rounds += int(slot > len(path))
             if st.jit_attempted:
                 s.jit_attempt_rounds += 1
                 s.tokens_on_jit_attempts += tokens
@@ -276,8 +316,9 @@ class SSDProposer:
             bonus = seq.token_ids[n + len(path)]
             self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus, next_k,
                                         verify_s=self.verify_s_ema, sent_at=now,
-                                        jit=self.jit_allowed or seq.reproducible))
-            st.last_key = (len(accepted), bonus)
+                                        jit=self.jit_allowed or seq.reproducible,
+                                        parents=st.verified_parents, slot=slot))
+            st.last_key = (slot, bonus)
         st.round += 1
         st.jit_attempted = False
 

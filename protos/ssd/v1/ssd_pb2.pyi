@@ -230,7 +230,7 @@ class Prefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., params: _Optional[_Union[SamplingSpec, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit")
+    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit", "verified_parents", "slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,8 @@ class Outcome(_message.Message):
     NEXT_K_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     NO_JIT_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     verified_ids: bytes
@@ -247,7 +249,9 @@ class Outcome(_message.Message):
     next_k: int
     verify_s: float
     no_jit: bool
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ...) -> None: ...
+    verified_parents: bytes
+    slot: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ..., verified_parents: _Optional[bytes] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("request_id",)
@@ -268,44 +272,48 @@ class DrafterEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "source", "prob_ids", "prob_values", "prob_width")
+    __slots__ = ("token_ids", "draft_probs", "source", "prob_ids", "prob_values", "prob_width", "parents")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROB_IDS_FIELD_NUMBER: _ClassVar[int]
     PROB_VALUES_FIELD_NUMBER: _ClassVar[int]
     PROB_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     draft_probs: bytes
     source: str
     prob_ids: bytes
     prob_values: bytes
     prob_width: int
-    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ..., prob_ids: _Optional[bytes] = ..., prob_values: _Optional[bytes] = ..., prob_width: _Optional[int] = ...) -> None: ...
+    parents: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ..., prob_ids: _Optional[bytes] = ..., prob_values: _Optional[bytes] = ..., prob_width: _Optional[int] = ..., parents: _Optional[bytes] = ...) -> None: ...
 
 class Branch(_message.Message):
-    __slots__ = ("num_accepted", "bonus", "speculation")
-    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("slot", "bonus", "speculation")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
-    num_accepted: int
+    slot: int
     bonus: int
     speculation: Speculation
-    def __init__(self, num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    def __init__(self, slot: _Optional[int] = ..., bonus: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Bundle(_message.Message):
-    __slots__ = ("request_id", "round", "base_ids", "branches", "built_at")
+    __slots__ = ("request_id", "round", "base_ids", "branches", "built_at", "base_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     BASE_IDS_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
     BUILT_AT_FIELD_NUMBER: _ClassVar[int]
+    BASE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     base_ids: bytes
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
     built_at: float
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., base_ids: _Optional[bytes] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., built_at: _Optional[float] = ...) -> None: ...
+    base_parents: bytes
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., base_ids: _Optional[bytes] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., built_at: _Optional[float] = ..., base_parents: _Optional[bytes] = ...) -> None: ...
 
 class JitSpeculation(_message.Message):
     __slots__ = ("request_id", "round", "speculation")
