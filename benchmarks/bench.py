@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from benchmarks.modes import BATCHED_MODES, BENCH_MODES, ModeRunner
 from benchmarks.report import ModeRuns, build_report, concurrency_row, print_summary, skipped_row, summarise
-from spec_core.config import ModelConfig, SamplingParams
+from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, TreeShape
 from spec_core.models import set_threads
 from spec_core.prompts import humaneval_prompts, read_prompt_file
 
@@ -35,6 +35,7 @@ class BenchSettings:
     saguaro_c: float = 1.0
     sweep: tuple[str, ...] = ()
     sd_k: int | None = None  # SD's own K (default: k), so each mode can run at its best K
+    tree: str = str(SSD_DEFAULT_TREE)  # the ssd mode's candidate tree per outcome (ssd-chain: a chain)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -58,13 +59,15 @@ class BenchSettings:
         if any(c < 1 for c in conc):
             raise ValueError("--concurrency values must be >= 1")
         sweep = tuple(d.strip() for d in (getattr(args, "sweep", None) or "").split(",") if d.strip())
-        bad = [d for d in sweep if d not in ("k", "budget", "c")]
+        bad = [d for d in sweep if d not in ("k", "budget", "c", "tree")]
         if bad:
-            raise ValueError(f"--sweep takes k, budget and/or c, got {', '.join(bad)}")
+            raise ValueError(f"--sweep takes k, budget, c and/or tree, got {', '.join(bad)}")
+        tree = str(TreeShape.parse(getattr(args, "tree", None) or str(SSD_DEFAULT_TREE)))
         return BenchSettings(modes, num_prompts, max_new, args.k, args.repeats, temps, args.prompts,
                              args.ignore_eos, args.target_threads, concurrency=conc,
                              budget=getattr(args, "budget", 12),
-                             saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None))
+                             saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
+                             tree=tree)
 
 
 def _prompts(settings: BenchSettings) -> list[str]:
@@ -104,7 +107,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in modes}
-        runner.ssd_extra = {"ssd": [], "ssd-service": []}
+        runner.ssd_extra = {m: [] for m in runner.ssd_extra}
         reference: dict[tuple[int, int], list[int]] = {}
         total = len(prompts) * settings.repeats * len(modes) if 1 in settings.concurrency else 0
         with progress(total, f"T={temp} concurrency 1") as bar:

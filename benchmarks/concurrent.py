@@ -18,9 +18,10 @@ from verifier_service.scheduler import SchedulerConfig
 
 
 def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=None) -> VerifierEngine:
-    if mode == "ssd":
+    if mode in ("ssd", "ssd-chain"):
         engine = local_ssd.engine
-        engine.scheduler.config = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=k)
+        nodes = max(k, local_ssd.config.ssd.max_nodes)  # the drafter's largest candidate tree
+        engine.scheduler.config = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=nodes)
         return engine
     drafter = None
     if mode == "sd":
@@ -41,7 +42,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     ks: list[int] = []
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
-    before = _ssd_counters(local_ssd) if mode == "ssd" else None
+    before = _ssd_counters(local_ssd) if mode in ("ssd", "ssd-chain") else None
     before_stats = engine.metrics.stats.copy()
     t0 = time.perf_counter()
     for s in seqs:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
                "hf-generate-2t", "llama-cpp", "llama-cpp-2t")
 #: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
 TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
@@ -32,7 +32,10 @@ TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate
 LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
 
 #: Modes that also run at concurrency > 1 (through the continuous-batching engine).
-BATCHED_MODES = ("ar", "sd", "ssd", "ssd-service")
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service")
+#: The local two-process SSD modes: ``ssd`` with its candidate tree per outcome (``--tree``), ``ssd-chain`` with
+#: one chain per outcome (the paper's SSD), on the same K and budget.
+LOCAL_SSD_MODES = ("ssd", "ssd-chain")
 
 
 def runtime_of(mode: str) -> str:
@@ -90,22 +93,24 @@ class ModeRunner:
             from benchmarks.service_mode import ServiceMode
 
             self.service = ServiceMode(target.path, draft.path, settings.k)
-        self.local_ssd = None
-        if "ssd" in settings.modes:
+        self.local_ssds: dict[str, object] = {}
+        for mode in (m for m in LOCAL_SSD_MODES if m in modes):
             from cluster.local_ssd import LocalSSD, LocalSSDConfig
-            from spec_core.config import SSDConfig
-
-            pair = self.gen.pair
+            from spec_core.config import SSDConfig, TreeShape
             from spec_core.fanout import FanoutConfig
 
-            ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c)
-            self.local_ssd = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
-                                      eos_ids=pair.eos_ids).__enter__()
-        self.ssd_extra: dict[str, list[dict]] = {"ssd": [], "ssd-service": []}
+            pair = self.gen.pair
+            tree = TreeShape.parse(settings.tree if mode == "ssd" else "chain")
+            ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
+                                saguaro_c=settings.saguaro_c, tree=tree)
+            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
+                                             eos_ids=pair.eos_ids).__enter__()
+        self.local_ssd = self.local_ssds.get("ssd")
+        self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
 
     def close(self) -> None:
-        if self.local_ssd is not None:
-            self.local_ssd.__exit__(None, None, None)
+        for local in self.local_ssds.values():
+            local.__exit__(None, None, None)
         if self.service is not None:
             self.service.close()
 
@@ -148,7 +153,7 @@ class ModeRunner:
                 return self.service.run_concurrent(prompts, params, c)
         ids = [self.gen.encode(p) for p in prompts]
         k = self.sd_k if mode == "sd" else self.k
-        return run_concurrent(self.gen.pair, mode, ids, params, k, c, self.local_ssd)
+        return run_concurrent(self.gen.pair, mode, ids, params, k, c, self.local_ssds.get(mode))
 
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         if mode in TWO_THREAD_MODES:
@@ -161,13 +166,13 @@ class ModeRunner:
                 result, extra = self.service.run(prompt, params)
             self.ssd_extra[mode].append(extra)
             return result
-        if mode == "ssd":
+        if mode in LOCAL_SSD_MODES:
             from cluster.local_ssd import generate_ssd
 
             ids = self.gen.encode(prompt)
-            seq, stats, extra = generate_ssd(self.local_ssd, ids, params)
+            seq, stats, extra = generate_ssd(self.local_ssds[mode], ids, params)
             self.ssd_extra[mode].append(extra)
-            return GenerationResult("ssd", ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
+            return GenerationResult(mode, ids, list(seq.output_ids), "", seq.finish_reason, stats, stats.prefill_s,
                                     list(seq.emit_times))
         if mode not in self.hf:
             return self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)

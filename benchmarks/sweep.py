@@ -4,7 +4,10 @@ Each point is a full interleaved bench run on the same prompts; the best value m
   * ``k``: SD and SSD (whichever of them are in ``--modes``) at K = 1..8; reports the best K of each mode;
   * ``budget``: SSD at the best SSD K (or ``--k``) with B in 4, 8, 12, 16, 24 pre-drafted branches per request;
   * ``c``: SSD with Saguaro C in 1, 0.7, 0.5, 0.3. C only changes sampled requests, so this dimension runs at
-    the non-zero temperatures of ``--temperatures`` (T = 0.8 if there are none).
+    the non-zero temperatures of ``--temperatures`` (T = 0.8 if there are none);
+  * ``tree``: SSD's candidate tree per outcome (:class:`spec_core.config.TreeShape`), each point beside
+    ``ssd-chain`` in the same interleaved run, at the best K and budget: the frontier of tokens per round, tree
+    size and tokens/s.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ logger = logging.getLogger(__name__)
 K_VALUES = tuple(range(1, 9))
 BUDGETS = (4, 8, 12, 16, 24)
 C_VALUES = (1.0, 0.7, 0.5, 0.3)
+TREES = ("2x1", "2x2", "3x1", "3x2", "2x4", "4x1")
 
 
 def _best(rows: list[dict], key: str) -> object:
@@ -61,18 +65,30 @@ def run_sweep(settings: BenchSettings, target: ModelConfig, draft: ModelConfig) 
                            temperatures=temps, budget=out.get("best_budget") or settings.budget, sweep=())
         out["c"] = rows
         out["best_c"] = _best(rows, "saguaro_c")
+    if "tree" in settings.sweep:
+        rows = []
+        for shape in TREES:
+            rows += _point(settings, target, draft, "tree", shape, k=ssd_k, tree=shape, modes=("ssd", "ssd-chain"),
+                           budget=out.get("best_budget") or settings.budget, sweep=())
+        for r in rows:
+            if r["mode"] == "ssd-chain":
+                r["tree"] = "chain"
+        out["tree"] = rows
+        out["best_tree"] = _best([r for r in rows if r["mode"] == "ssd"] or rows, "tree")
     print_sweep(out)
     return out
 
 
 def print_sweep(out: dict) -> None:
     w = sys.stdout.write
-    for dim, key in (("k", "k"), ("budget", "budget"), ("c", "saguaro_c")):
+    for dim, key in (("k", "k"), ("budget", "budget"), ("c", "saguaro_c"), ("tree", "tree")):
         if dim not in out:
             continue
-        w(f"{'mode':<8}{'T':>5}{key:>11}{'tok/s':>10}{'tok/round':>11}{'hit':>7}\n")
+        w(f"{'mode':<10}{'T':>5}{key:>11}{'tok/s':>10}{'tok/round':>11}{'hit':>7}{'nodes':>7}\n")
         for r in out[dim]:
-            hit = r.get("cache_hit_rate")
-            w(f"{r['mode']:<8}{r['temperature']:>5.2f}{r[key]:>11}{r['tokens_per_s'] or 0:>10.1f}"
-              f"{r['mean_tokens_per_round'] or 0:>11.2f}{(f'{hit:.2f}' if hit is not None else '-'):>7}\n")
-    w(f"best: K {out.get('best_k')}, budget {out.get('best_budget')}, C {out.get('best_c')}\n")
+            hit, nodes = r.get("cache_hit_rate"), r.get("mean_tree_nodes")
+            w(f"{r['mode']:<10}{r['temperature']:>5.2f}{r[key]:>11}{r['tokens_per_s'] or 0:>10.1f}"
+              f"{r['mean_tokens_per_round'] or 0:>11.2f}{(f'{hit:.2f}' if hit is not None else '-'):>7}"
+              f"{(f'{nodes:.1f}' if nodes is not None else '-'):>7}\n")
+    w(f"best: K {out.get('best_k')}, budget {out.get('best_budget')}, C {out.get('best_c')}, "
+      f"tree {out.get('best_tree')}\n")

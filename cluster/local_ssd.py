@@ -156,10 +156,13 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         "verifier_wait_s": delta["wait_s"],
         "backup_rounds": delta["backup"],
         "verifier_idle_fraction": delta["wait_s"] / stats.decode_s if stats.decode_s else None,
+        "mean_tree_nodes": delta["tree_nodes"] / delta["spec_rounds"] if delta["spec_rounds"] else None,
+        "off_spine_rate": delta["off_spine"] / delta["spec_rounds"] if delta["spec_rounds"] else None,
     }
     return seq, stats, ssd
 
 
 def _snapshot(local: LocalSSD) -> dict[str, float]:
     s = local.proposer.stats
-    return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup}
+    return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup, "tree_nodes": s.tree_nodes,
+            "spec_rounds": sum(s.accepted_hist), "off_spine": s.off_spine_rounds}

@@ -41,7 +41,7 @@ from spec_core.fanout import fanout_for, tree_fanout
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
-from spec_core.sequence import DRAFT, Sequence
+from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
 from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, spine_tree
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
@@ -57,6 +57,30 @@ def leaf_tokens(logits: torch.Tensor, spine: list[int], extra: int) -> list[list
     leaves beside it; excluding it explicitly keeps them distinct when logits tie)."""
     top = to_host(torch.topk(logits, extra + 1, dim=-1).indices)
     return [[t for t in row if t != tok][:extra] for row, tok in zip(top, spine)]
+
+
+@dataclass(slots=True)
+class GrowingTree:
+    """One speculation being drafted level by level: the spine's tokens and q rows, and the leaves beside each
+    spine node with theirs (a sampled leaf's row is its spine node's: siblings are i.i.d. draws from one q)."""
+
+    spine: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    leaves: list[list[int]] = field(default_factory=list)
+    leaf_q: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, token: int, q_row: torch.Tensor | None, leaves: list[int], leaf_q: torch.Tensor | None) -> None:
+        self.spine.append(token)
+        self.leaves.append(leaves)
+        if q_row is not None:
+            self.q.append(q_row)
+            if leaf_q is not None:
+                self.leaf_q.append(leaf_q)
+
+    def speculation(self, source: str = "cache") -> Speculation:
+        tokens, parents = spine_tree(self.spine, self.leaves)
+        probs = torch.cat([torch.stack(self.q), *self.leaf_q]) if self.q else None
+        return Speculation(tokens, probs, source, parents)
 
 
 @dataclass(slots=True)
@@ -140,8 +164,23 @@ class SSDDrafter:
         return toks, q_prime
 
     def _leaves(self, req: DraftRequest, k: int) -> list[int]:
-        """Leaves per spine depth for ``req`` (none for sampled requests: see :class:`TreeShape`)."""
-        return self.config.tree.leaves(k) if req.seq.params.greedy else [0] * k
+        """Leaves per spine depth for ``req`` (:class:`spec_core.config.TreeShape`)."""
+        return self.config.tree.leaves(k)
+
+    def _pick_leaves(self, req: DraftRequest, logits: torch.Tensor, spine: list[int], q: torch.Tensor | None,
+                     positions: list[int], extra: int) -> list[tuple[list[int], torch.Tensor | None]]:
+        """``extra`` leaves beside each row's spine token: the draft's next choices for a greedy request; for a
+        sampled one, independent draws (with replacement, keyed uniforms) from the row the spine token was drawn
+        from, which is what sibling recursion in the verifier needs to stay exact."""
+        if not extra:
+            return [([], None) for _ in spine]
+        if q is None:
+            return [(t, None) for t in leaf_tokens(logits, spine, extra)]
+        out = []
+        for row, pos in zip(q, positions):
+            rows = row[None].expand(extra, -1)
+            out.append((to_host(sample_from_probs(rows, req.seq.uniforms_at(pos, extra, DRAFT_LEAF))), rows))
+        return out
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
         return forward_items(self.runner, self.cache, items)
@@ -168,23 +207,24 @@ class SSDDrafter:
                          lambda a, b, rid=reqs[i].seq.request_id: self._slots(rid, a, b)) for i in live]
 
         leaves = {i: self._leaves(reqs[i], reqs[i].k) for i in live}
-        side: dict[int, list[list[int]]] = {i: [] for i in live}
+        grown = {i: GrowingTree() for i in live}
 
         def sample(idx: list[int], logits: torch.Tensor, width: int, depth: int):
             picked = []
             for p, j in enumerate(idx):
                 i = live[j]
-                picked.append(self._pick_rows(reqs[i], logits[p, :width], [reqs[i].seq.num_tokens + depth]))
-                extra = leaves[i][depth]
-                side[i].append(leaf_tokens(logits[p, :1], picked[-1][0], extra)[0] if extra else [])
+                pos = [reqs[i].seq.num_tokens + depth]
+                toks, q = self._pick_rows(reqs[i], logits[p, :width], pos)
+                (side, side_q), = self._pick_leaves(reqs[i], logits[p, :1], toks, q, pos, leaves[i][depth])
+                grown[i].add(toks[0], q[0] if q is not None else None, side, side_q)
+                picked.append((toks, q))
             return picked
 
-        for i, tree in zip(live, draft_trees(self.runner, self.cache, rows, 1, sample)):
+        draft_trees(self.runner, self.cache, rows, 1, sample)
+        for i in live:
             r = reqs[i]
             r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
-            tokens, parents = spine_tree(tree.token_ids, side[i])
-            out[i] = Speculation(tokens, torch.stack(tree.q_rows) if tree.q_rows else None, source="jit",
-                                 parents=parents)
+            out[i] = grown[i].speculation(source="jit")
         return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
@@ -239,9 +279,13 @@ class SSDDrafter:
             if s.num_nodes:  # after a rejection at a slot the bonus is never one of its children's tokens (greedy)
                 drafted = to_device([[p + 1 for p in s.tree_parents], s.token_ids], rows.device, torch.long)
                 rows[drafted[0], drafted[1]] = float("-inf")
-            width = max(max(fan), min(MAX_RANK, rows.shape[-1] - 1))
+            width = min(rows.shape[-1], max(max(fan), min(MAX_RANK, rows.shape[-1] - 1)))
             ranked_rows = to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
+            children = [set() for _ in ranked_rows]
+            for par, tok in zip(s.tree_parents, s.token_ids):
+                children[par + 1].add(tok)
             for j, ranked in enumerate(ranked_rows):
+                ranked = [t for t in ranked if t not in children[j]]  # (a small vocabulary runs out of others)
                 r.candidates[j] = ranked[:MAX_RANK]
                 roots.extend((j, t) for t in ranked[: fan[j]])
             branches.append(roots)
@@ -249,9 +293,7 @@ class SSDDrafter:
 
     def _decode_branches(self, reqs, specs, branches) -> list[BranchBundle]:
         now_tokens = [[c for _, c in br] for br in branches]
-        out_tokens: list[list[list[int]]] = [[[] for _ in br] for br in branches]
-        out_rows: list[list[list[torch.Tensor]]] = [[[] for _ in br] for br in branches]
-        out_leaves: list[list[list[list[int]]]] = [[[] for _ in br] for br in branches]
+        grown = [[GrowingTree() for _ in br] for br in branches]
         # Each branch's slot: the glue nodes it sees (root + its path) and its depth (the bonus sits at n + depth).
         paths = [[path_nodes(s.parents, j) for j, _ in br] for s, br in zip(specs, branches)]
         leaves = [self._leaves(r, r.k) for r in reqs]
@@ -278,23 +320,17 @@ class SSDDrafter:
             for j, i in enumerate(live):
                 m = len(branches[i])
                 n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on
-                toks, qs = self._pick_rows(reqs[i], logits[j, :m], [n + len(p) + step + 1 for p in paths[i]])
-                extra = leaves[i][step]
-                side = leaf_tokens(logits[j, :m], toks, extra) if extra else None
-                for b, tok in enumerate(toks):
-                    out_tokens[i][b].append(tok)
-                    out_leaves[i][b].append(side[b] if side is not None else [])
-                    if qs is not None:
-                        out_rows[i][b].append(qs[b])
+                positions = [n + len(p) + step + 1 for p in paths[i]]
+                toks, qs = self._pick_rows(reqs[i], logits[j, :m], positions)
+                sides = self._pick_leaves(reqs[i], logits[j, :m], toks, qs, positions, leaves[i][step])
+                for b, (tok, (side, side_q)) in enumerate(zip(toks, sides)):
+                    grown[i][b].add(tok, qs[b] if qs is not None else None, side, side_q)
                     now_tokens[i][b] = tok
         now = time.perf_counter()
         bundles = []
         for i, (r, br) in enumerate(zip(reqs, branches)):
-            entries = {}
-            for b, key in enumerate(br if not self.config.drop_cache else []):
-                tokens, parents = spine_tree(out_tokens[i][b], out_leaves[i][b])
-                entries[key] = Speculation(tokens, torch.stack(out_rows[i][b]) if out_rows[i][b] else None,
-                                           parents=parents)
+            entries = {key: grown[i][b].speculation() for b, key in enumerate(br)} if not self.config.drop_cache \
+                else {}
             bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now,
                                         base_parents=specs[i].parents))
         return bundles

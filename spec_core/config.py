@@ -143,8 +143,8 @@ class TreeShape:
     """The candidate tree drafted for each speculation: a spine of K tokens (the draft's pick at each depth) and,
     at each of its first ``levels`` depths, the draft's next ``width - 1`` choices as leaves beside the spine node.
     The leaves come from the logits that picked the spine token, so they cost the drafter nothing; the verifier
-    pays one more tree node each. ``width`` 1 or ``levels`` 0 is a chain. Greedy requests only: a sampled
-    request drafts a chain (its siblings would have to be independent draws, which this shape does not make)."""
+    pays one more tree node each. ``width`` 1 or ``levels`` 0 is a chain. For a sampled request the leaves are
+    independent draws from the spine node's q (with replacement), as exact multi-branch verification requires."""
 
     width: int = 1
     levels: int = 0

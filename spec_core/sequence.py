@@ -13,7 +13,7 @@ from spec_core.detokenizer import IncrementalDetokenizer, find_stop
 from spec_core.metrics import DecodeStats
 
 #: ``purpose`` keys of :meth:`Sequence.uniforms_at`: draft tokens, and the verification of a round.
-DRAFT, VERIFY = 1, 2
+DRAFT, VERIFY, DRAFT_LEAF = 1, 2, 3
 
 
 @dataclass(slots=True)

@@ -101,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sd-k", type=int, default=None, help="K for the sd modes (default --k): each at its best K")
     b.add_argument("--budget", type=int, default=12, help="SSD fan-out budget (pre-drafted branches per request)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro down-weighting C in (0, 1]")
-    b.add_argument("--sweep", help="k,budget,c: find the best K (1-8, SD and SSD), budget and Saguaro C")
+    b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: chain or WIDTHxLEVELS (default: the "
+                   "service's, 2x2); ssd-chain always drafts chains")
+    b.add_argument("--sweep", help="k,budget,c,tree: find the best K (1-8, SD and SSD), budget, Saguaro C and "
+                   "SSD candidate tree (ssd-chain beside each tree)")
     _add_model_flags(b)
 
     bv = sub.add_parser("bench-verifier", help="verifier tokens/s at several batch sizes, chain and tree")

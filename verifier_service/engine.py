@@ -47,6 +47,8 @@ class EngineConfig:
     #: A forward's fixed cost in tokens, for splitting a step into groups of similar length (None: by device;
     #: see :func:`spec_core.packing.split_by_length`). A prompt chunk joining short verifications runs apart.
     group_overhead_tokens: int | None = None
+    #: NEGATIVE CONTROL ONLY: verify sampled trees without sibling recursion (biased; see spec_core.tree).
+    sibling_recursion: bool = True
 
 
 @dataclass(slots=True)
@@ -165,7 +167,8 @@ class VerifierEngine:
         probs = request_probs(logits[None], [seq.params])[0]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
-        return stochastic_verify_tree_path(probs, tree, seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1, VERIFY))
+        return stochastic_verify_tree_path(probs, tree, seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1, VERIFY),
+                                           self.config.sibling_recursion)
 
     def _propose(self, work: list[ScheduledSeq]) -> dict[str, TokenTree]:
         """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve."""
