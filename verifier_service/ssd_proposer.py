@@ -77,6 +77,12 @@ class SSDStats:
     hits_all_accepted: int = 0
     hits_rejected: int = 0
     hits_off_spine: int = 0
+    #: Why rounds missed: the bundle had the outcome but arrived after the verify ended (it is still used), the
+    #: bundle lacked the outcome (the prediction failed), or no bundle for that speculation had arrived.
+    misses_late: int = 0
+    misses_unpredicted: int = 0
+    misses_no_bundle: int = 0
+    misses_other_base: int = 0
 
     @property
     def mean_tree_nodes(self) -> float | None:
@@ -98,6 +104,7 @@ class _ReqState:
     used_hit: bool = False
     source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
     jit_attempted: bool = False
+    miss_kind: str = "no_bundle"
     bundles: dict[int, BranchBundle] = field(default_factory=dict)
     jit: dict[int, Speculation] = field(default_factory=dict)
 
@@ -167,9 +174,15 @@ class SSDProposer:
     def _lookup(self, st: _ReqState) -> tuple[Speculation | None, bool]:
         """(speculation for st.round, counts as hit) if the drafter has provided one."""
         b = st.bundles.get(st.round - 1)
-        if (b is not None and b.base_tokens == st.verified and b.base_parents == st.verified_parents
-                and st.last_key in b.entries):
-            return b.entries[st.last_key], b.ready_at <= st.verify_end
+        if b is not None and b.base_tokens == st.verified and b.base_parents == st.verified_parents:
+            if st.last_key in b.entries:
+                hit = b.ready_at <= st.verify_end
+                if not hit:
+                    st.miss_kind = "late"
+                return b.entries[st.last_key], hit
+            st.miss_kind = "unpredicted"
+        elif b is not None:
+            st.miss_kind = "other_base"
         for old in [r for r in st.jit if r < st.round]:
             del st.jit[old]
         return st.jit.get(st.round), False
@@ -189,6 +202,7 @@ class SSDProposer:
                 self.link.send(PrefillEvent(seq.request_id, seq.token_ids, seq.params, k))
                 specs[seq.request_id] = None
                 continue
+            st.miss_kind = "no_bundle"
             spec, hit = self._lookup(st)
             if hit and k > 0:
                 self._count_hit_kind(st)
@@ -258,6 +272,8 @@ class SSDProposer:
             self.stats.rounds += 1
             self.stats.hits += int(st.used_hit)
             if not st.used_hit:
+                kind = f"misses_{st.miss_kind}"
+                setattr(self.stats, kind, getattr(self.stats, kind) + 1)
                 if spec is not None:
                     self.stats.jit_misses += 1
                 else:
