@@ -141,43 +141,57 @@ class SamplingParams:
 @dataclass(frozen=True, slots=True)
 class TreeShape:
     """The candidate tree drafted for each speculation: a spine of K tokens (the draft's pick at each depth) and,
-    at each of its first ``levels`` depths, the draft's next ``width - 1`` choices as leaves beside the spine node.
-    The leaves come from the logits that picked the spine token, so they cost the drafter nothing; the verifier
-    pays one more tree node each. ``width`` 1 or ``levels`` 0 is a chain. For a sampled request the leaves are
-    independent draws from the spine node's q (with replacement), as exact multi-branch verification requires."""
+    at spine depth d + 1, ``widths[d] - 1`` more of the draft's choices as leaves beside the spine node (depths
+    past ``widths`` have none). The leaves come from the logits that picked the spine token, so they cost the
+    drafter nothing; the verifier pays one more tree node each. No leaves is a chain. For a sampled request the
+    leaves are independent draws from the spine node's q (with replacement), as exact multi-branch verification
+    requires. Written ``chain``, ``WxL`` (width W at the first L depths) or ``W1,W2,...`` (one width per depth)."""
 
-    width: int = 1
-    levels: int = 0
+    widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 1 <= self.width <= 8 or not 0 <= self.levels <= 16:
-            raise ValueError(f"tree width must be in [1, 8] and levels in [0, 16], got {self.width}, {self.levels}")
+        if len(self.widths) > 16 or any(not 1 <= w <= 8 for w in self.widths):
+            raise ValueError(f"tree widths must be 1..8 for at most 16 depths, got {self.widths}")
+
+    @classmethod
+    def uniform(cls, width: int, levels: int) -> TreeShape:
+        return cls((width,) * levels)
 
     @property
     def is_chain(self) -> bool:
-        return self.width == 1 or self.levels == 0
+        return all(w == 1 for w in self.widths)
 
     def leaves(self, k: int) -> list[int]:
         """Leaves beside spine node d (depth d + 1) for d < k."""
-        return [self.width - 1 if d < self.levels else 0 for d in range(k)]
+        return [(self.widths[d] - 1 if d < len(self.widths) else 0) for d in range(k)]
 
     @classmethod
     def parse(cls, text: str) -> TreeShape:
-        """``chain``, or ``WIDTHxLEVELS`` (e.g. ``2x2``)."""
-        if text == "chain":
-            return cls(1, 0)
+        text = str(text).strip().lower()
         try:
-            width, levels = (int(x) for x in text.lower().split("x"))
+            if text == "chain":
+                return cls()
+            if "x" in text:
+                width, levels = (int(x) for x in text.split("x"))
+                return cls.uniform(width, levels)
+            return cls(tuple(int(x) for x in text.split(",")))
         except ValueError:
-            raise ValueError(f"tree shape must be 'chain' or WIDTHxLEVELS such as 2x2, got {text!r}") from None
-        return cls(width, levels)
+            raise ValueError(f"tree shape must be chain, WIDTHxLEVELS (such as 2x2) or widths per depth (such as "
+                             f"4,2), got {text!r}") from None
 
     def __str__(self) -> str:
-        return "chain" if self.is_chain else f"{self.width}x{self.levels}"
+        widths = self.widths
+        while widths and widths[-1] == 1:
+            widths = widths[:-1]
+        if not widths:
+            return "chain"
+        if len(set(widths)) == 1:
+            return f"{widths[0]}x{len(widths)}"
+        return ",".join(str(w) for w in widths)
 
 
 #: The default candidate tree for ``--mode ssd`` (``ssd bench --sweep tree`` measures the alternatives).
-SSD_DEFAULT_TREE = TreeShape(2, 2)
+SSD_DEFAULT_TREE = TreeShape((4,))
 
 
 @dataclass(frozen=True, slots=True)

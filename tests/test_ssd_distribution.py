@@ -31,7 +31,7 @@ N = 1500
 M = 6  # tokens per sequence: several speculating rounds each, so the forced regime's rounds dominate
 TEMP = 0.8
 K = 2
-TREE = TreeShape(2, 2)  # a sampled leaf beside every spine node: siblings, so sibling recursion matters
+TREE = TreeShape.uniform(2, 2)  # a sampled leaf beside every spine node: siblings, so sibling recursion matters
 PROMPT = [3, 1, 4, 1, 3, 1, 4]  # repetitive: the n-gram backup finds proposals
 
 

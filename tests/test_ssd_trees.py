@@ -53,7 +53,11 @@ def test_outcome_event_on_a_tree():
 def test_tree_shape_parses_and_counts_leaves():
     assert TreeShape.parse("2x2").leaves(4) == [1, 1, 0, 0]
     assert TreeShape.parse("chain").is_chain and str(TreeShape.parse("chain")) == "chain"
-    assert SSDConfig(k=4, tree=TreeShape(3, 1)).max_nodes == 6
+    assert TreeShape.parse("4,2").leaves(3) == [3, 1, 0] and str(TreeShape.parse("4,2,1")) == "4,2"
+    assert str(TreeShape.parse("3x1")) == "3x1" and TreeShape.parse("1x3").is_chain
+    assert SSDConfig(k=4, tree=TreeShape.uniform(3, 1)).max_nodes == 6
+    with pytest.raises(ValueError, match="WIDTHxLEVELS"):
+        TreeShape.parse("9x1")
     with pytest.raises(ValueError, match="WIDTHxLEVELS"):
         TreeShape.parse("wide")
 
@@ -146,7 +150,7 @@ def test_greedy_trees_equal_ar_in_every_regime(pair, regime):
     """Four concurrent requests, a draft unlike the target (so leaves are accepted), a 3x2 tree per outcome."""
     target, draft = pair
     prompts = _prompts(4)
-    outs, s, _ = _loopback_run(target, draft, TreeShape(3, 2), prompts, 24, drop_cache=regime != "hits",
+    outs, s, _ = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 24, drop_cache=regime != "hits",
                                jit=regime != "backup")
     assert outs == _reference(target, prompts, 24)
     if regime != "backup":  # the backup is an n-gram chain
@@ -164,14 +168,14 @@ def test_hits_after_a_leaf_was_accepted(pair):
     """An outcome through a leaf (an off-spine slot) was pre-drafted and hit: the drafter glues the whole tree
     and forks candidates at every node."""
     target, draft = pair
-    _, s, _ = _loopback_run(target, draft, TreeShape(3, 2), _prompts(4), 32)
+    _, s, _ = _loopback_run(target, draft, TreeShape.uniform(3, 2), _prompts(4), 32)
     assert s.hits_off_spine > 0, s
 
 
 def test_trees_accept_more_per_round_than_chains(pair):
     target, draft = pair
     prompts = _prompts(4)
-    _, _, chain = _loopback_run(target, draft, TreeShape(1, 0), prompts, 32)
-    _, s, tree = _loopback_run(target, draft, TreeShape(3, 2), prompts, 32)
+    _, _, chain = _loopback_run(target, draft, TreeShape(), prompts, 32)
+    _, s, tree = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 32)
     assert tree.mean_tokens_per_round > chain.mean_tokens_per_round, (tree.mean_tokens_per_round,
                                                                       chain.mean_tokens_per_round)
