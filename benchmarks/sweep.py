@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 K_VALUES = tuple(range(1, 9))
 BUDGETS = (4, 8, 12, 16, 24)
 C_VALUES = (1.0, 0.7, 0.5, 0.3)
-TREES = ("2x1", "2x2", "3x1", "4x1", "2x3")
+TREES = ("4x1", "4,2", "3,2", "5x1", "3,2,2")
 
 
 def _best(rows: list[dict], key: str) -> object:

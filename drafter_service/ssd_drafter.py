@@ -94,6 +94,8 @@ class DraftRequest:
     bundle: BranchBundle | None = None
     #: Per glue position j: the draft's ranked candidate bonus tokens (drafted token excluded), for r's estimate.
     candidates: dict[int, list[int]] = field(default_factory=dict)
+    #: Where the speculation the current bundle was built on came from (cache, jit, prefill or backup).
+    base_source: str = "prefill"
 
 
 class SSDDrafter:
@@ -106,10 +108,14 @@ class SSDDrafter:
         self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
         self.requests: dict[str, DraftRequest] = {}
         self.acceptance = AcceptanceEstimator()
+        #: The n-gram backup's acceptance, for the fan-out of a bundle built on a backup round (the paper's
+        #: separate schedule after a miss): its proposals are accepted far less often than the draft's.
+        self.backup_acceptance = AcceptanceEstimator(prior_a=0.3)
         self.miss = MissExponentEstimator(max_rank=MAX_RANK)
         #: P(a leaf is accepted | the spine is rejected at a node with leaves), for the tree's fan-out.
         self.leaf = RateEstimator(prior=0.3)
         self.accept_rate = self.acceptance.value
+        self.backup_accept_rate = self.backup_acceptance.value
         self.miss_exponent = self.miss.r
         self.leaf_rate = self.leaf.value
         self.jit_s_per_token = 0.0
@@ -252,7 +258,8 @@ class SSDDrafter:
     def _slot_fanout(self, s: Speculation) -> list[int]:
         """F per outcome slot of ``s`` (its root, then every node): the spine's schedule, plus its leaves'."""
         if s.parents is None:
-            return fanout_for(self.config.fanout, s.k, self.accept_rate, self.miss_exponent)
+            a = self.backup_accept_rate if s.source == "backup" else self.accept_rate
+            return fanout_for(self.config.fanout, s.k, a, self.miss_exponent)
         depth = node_depths(s.parents)
         leaves = [0] * s.k
         for i in range(s.k, s.num_nodes):
@@ -273,6 +280,7 @@ class SSDDrafter:
         branches: list[list[tuple[int, int]]] = []
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S's spine (speculatively)
+            r.base_source = s.source
             roots = []
             r.candidates = {}
             rows = glue_logits[i, : s.num_nodes + 1].clone()
@@ -342,7 +350,7 @@ class SSDDrafter:
         on_spine = ev.spine_accepted
         off = ev.key[0] > len(ev.path)
         if spine > 0:
-            self.acceptance.update(on_spine, spine)
+            (self.backup_acceptance if req.base_source == "backup" else self.acceptance).update(on_spine, spine)
         if ev.parents is not None and on_spine < spine and (off or any(p == on_spine - 1 for p in ev.parents[spine:])):
             self.leaf.update(off)
         ranked = req.candidates.get(ev.key[0])
@@ -351,6 +359,7 @@ class SSDDrafter:
 
     def refresh_estimates(self) -> None:
         self.accept_rate = self.acceptance.value
+        self.backup_accept_rate = self.backup_acceptance.value
         self.miss_exponent = self.miss.r
         self.leaf_rate = self.leaf.value
 

@@ -179,3 +179,20 @@ def test_trees_accept_more_per_round_than_chains(pair):
     _, s, tree = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 32)
     assert tree.mean_tokens_per_round > chain.mean_tokens_per_round, (tree.mean_tokens_per_round,
                                                                       chain.mean_tokens_per_round)
+
+
+def test_a_bundle_built_on_a_backup_round_has_its_own_fan_out(tiny_models):
+    """After a backup round the next bundle's fan-out follows the backup's measured acceptance, not the draft's
+    (the paper's separate schedule after a miss), and each source's outcomes feed its own estimate."""
+    from drafter_service.ssd_drafter import DraftRequest, SSDDrafter
+
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama-noisy"]), SSDConfig(k=3, fanout=FanoutConfig(budget=8),
+                                                                            tree=TreeShape()))
+    drafter.accept_rate, drafter.backup_accept_rate = 0.9, 0.1
+    own = drafter._slot_fanout(Speculation([1, 2, 3], source="cache"))
+    backup = drafter._slot_fanout(Speculation([1, 2, 3], source="backup"))
+    assert sum(own) == sum(backup) == 8 and backup[0] > own[0], (own, backup)
+    req = DraftRequest(Sequence("r", [5, 6, 7], SamplingParams()), 3, base_source="backup")
+    before = (drafter.acceptance.value, drafter.backup_acceptance.value)
+    drafter.observe(req, OutcomeEvent("r", 1, [1, 2, 3], 0, 9, 3))
+    assert drafter.acceptance.value == before[0] and drafter.backup_acceptance.value < before[1]
