@@ -206,6 +206,8 @@ class DrafterLoop:
             bundle = req.bundle
             own = (bundle is not None and bundle.round == ev.round and bundle.base_tokens == ev.verified
                    and bundle.base_parents == ev.parents)
+            if ev.node_cost is not None:
+                self.drafter.node_cost = ev.node_cost
             hit = own and ev.key in bundle.entries
             if own:
                 self.drafter.observe(req, ev)

@@ -36,7 +36,7 @@ import torch
 
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.block_manager import BlockManager, NoFreeBlocks
-from spec_core.config import SSDConfig
+from spec_core.config import SSDConfig, TreeShape
 from spec_core.fanout import fanout_for, tree_fanout
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
@@ -112,8 +112,12 @@ class SSDDrafter:
         #: separate schedule after a miss): its proposals are accepted far less often than the draft's.
         self.backup_acceptance = AcceptanceEstimator(prior_a=0.3)
         self.miss = MissExponentEstimator(max_rank=MAX_RANK)
-        #: P(a leaf is accepted | the spine is rejected at a node with leaves), for the tree's fan-out.
+        #: P(a leaf is accepted | the spine is rejected at a node with leaves), for the tree's fan-out; and per
+        #: leaf rank r, P(leaf r is accepted | the spine node and leaves 0..r-1 were rejected), for ``--tree auto``.
         self.leaf = RateEstimator(prior=0.3)
+        self.leaf_rank = [RateEstimator(prior=0.3 / (r + 1)) for r in range(8)]
+        #: The verifier's cost of one more tree node as a fraction of its verify (from its outcomes).
+        self.node_cost: float | None = None
         self.accept_rate = self.acceptance.value
         self.backup_accept_rate = self.backup_acceptance.value
         self.miss_exponent = self.miss.r
@@ -171,7 +175,31 @@ class SSDDrafter:
 
     def _leaves(self, req: DraftRequest, k: int) -> list[int]:
         """Leaves per spine depth for ``req`` (:class:`spec_core.config.TreeShape`)."""
-        return self.config.tree.leaves(k)
+        tree = self.config.tree if req.seq.params.greedy else self.config.sampled_tree
+        return self.leaves_for(k, tree) if tree.auto else tree.leaves(k)
+
+    def leaves_for(self, k: int, tree: TreeShape | None = None) -> list[int]:
+        """``--tree auto``: leaves per spine depth, up to the shape's ceiling, each kept while it pays.
+
+        Leaf r beside spine node d adds ``P(reach d) · (1 - a) · P(no earlier leaf) · ρ_r`` expected tokens per
+        round (a: the spine's acceptance, ρ_r: leaf rank r's measured acceptance); it costs one tree node, which
+        slows the round by the verifier's measured ``node_cost`` and so is worth ``node_cost · E[tokens per
+        round]`` tokens. Until the verifier has measured a cost, the ceiling is used."""
+        cap = (tree or self.config.tree).leaves(k)
+        if self.node_cost is None:
+            return cap
+        a = min(self.accept_rate, 0.999)
+        per_round = (1 - a ** (k + 1)) / (1 - a)
+        price = self.node_cost * per_round
+        out, reach = [], 1.0
+        for d in range(k):
+            left, n = reach * (1 - a), 0  # P(the spine is rejected here and no leaf so far was accepted)
+            while n < cap[d] and left * self.leaf_rank[n].value > price:
+                left *= 1 - self.leaf_rank[n].value
+                n += 1
+            out.append(n)
+            reach *= a
+        return out
 
     def _pick_leaves(self, req: DraftRequest, logits: torch.Tensor, spine: list[int], q: torch.Tensor | None,
                      positions: list[int], extra: int) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -351,8 +379,14 @@ class SSDDrafter:
         off = ev.key[0] > len(ev.path)
         if spine > 0:
             (self.backup_acceptance if req.base_source == "backup" else self.acceptance).update(on_spine, spine)
-        if ev.parents is not None and on_spine < spine and (off or any(p == on_spine - 1 for p in ev.parents[spine:])):
+        beside = [i for i in range(spine, len(ev.verified)) if ev.parents and ev.parents[i] == on_spine - 1]
+        if on_spine < spine and beside:
             self.leaf.update(off)
+            taken = ev.path[-1] if off else None
+            for r, node in enumerate(beside[: len(self.leaf_rank)]):
+                self.leaf_rank[r].update(node == taken)
+                if node == taken:
+                    break
         ranked = req.candidates.get(ev.key[0])
         if ranked is not None:
             self.miss.update(ranked.index(ev.bonus) + 1 if ev.bonus in ranked else None)

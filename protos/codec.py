@@ -202,7 +202,7 @@ def event_to_pb(ev: object) -> pb.DrafterEvent:
         return pb.DrafterEvent(outcome=pb.Outcome(
             request_id=ev.request_id, round=ev.round, verified_ids=pack_ids(ev.verified),
             num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s,
-            no_jit=not ev.jit, verified_parents=pack_parents(ev.parents), slot=ev.slot))
+            no_jit=not ev.jit, verified_parents=pack_parents(ev.parents), slot=ev.slot, node_cost=ev.node_cost))
     if isinstance(ev, FreeEvent):
         return pb.DrafterEvent(free=pb.Free(request_id=ev.request_id))
     raise TypeError(f"not a drafter event: {type(ev).__name__}")
@@ -220,7 +220,8 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
         o = msg.outcome
         return OutcomeEvent(o.request_id, o.round, unpack_ids(o.verified_ids), o.num_accepted, o.bonus, o.next_k,
                             verify_s=o.verify_s, jit=not o.no_jit, parents=unpack_parents(o.verified_parents),
-                            slot=o.slot if o.HasField("slot") else None)
+                            slot=o.slot if o.HasField("slot") else None,
+                            node_cost=o.node_cost if o.HasField("node_cost") else None)
     if kind == "free":
         return FreeEvent(msg.free.request_id)
     raise ValueError(f"unexpected drafter event {kind!r}")

@@ -138,6 +138,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
+#: The most leaves ``--tree auto`` may choose per spine depth (widths; the verifier reserves KV slots for it).
+AUTO_TREE_CEILING = (5, 3, 2)
+
+
 @dataclass(frozen=True, slots=True)
 class TreeShape:
     """The candidate tree drafted for each speculation: a spine of K tokens (the draft's pick at each depth) and,
@@ -145,9 +149,14 @@ class TreeShape:
     past ``widths`` have none). The leaves come from the logits that picked the spine token, so they cost the
     drafter nothing; the verifier pays one more tree node each. No leaves is a chain. For a sampled request the
     leaves are independent draws from the spine node's q (with replacement), as exact multi-branch verification
-    requires. Written ``chain``, ``WxL`` (width W at the first L depths) or ``W1,W2,...`` (one width per depth)."""
+    requires. Written ``chain``, ``WxL`` (width W at the first L depths) or ``W1,W2,...`` (one width per depth).
+
+    ``auto`` (written ``auto`` or ``auto:W1,W2,...``): ``widths`` is a ceiling, and the drafter chooses the leaves
+    per depth for every bundle from measured acceptance (the spine's and each leaf rank's) and the verifier's
+    measured cost of one more tree node (:meth:`drafter_service.ssd_drafter.SSDDrafter.leaves_for`)."""
 
     widths: tuple[int, ...] = ()
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if len(self.widths) > 16 or any(not 1 <= w <= 8 for w in self.widths):
@@ -168,6 +177,10 @@ class TreeShape:
     @classmethod
     def parse(cls, text: str) -> TreeShape:
         text = str(text).strip().lower()
+        if text == "auto":
+            return cls(AUTO_TREE_CEILING, auto=True)
+        if text.startswith("auto:"):
+            return cls(cls.parse(text[5:]).widths, auto=True)
         try:
             if text == "chain":
                 return cls()
@@ -183,6 +196,8 @@ class TreeShape:
         widths = self.widths
         while widths and widths[-1] == 1:
             widths = widths[:-1]
+        if self.auto:
+            return "auto" if widths == AUTO_TREE_CEILING else "auto:" + ",".join(str(w) for w in widths)
         if not widths:
             return "chain"
         if len(set(widths)) == 1:
@@ -210,13 +225,16 @@ class SSDConfig:
     drop_cache: bool = False
     #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
     ship_raw_q: bool = False
-    #: The tree drafted per outcome (greedy requests); a chain is today's SSD.
+    #: The tree drafted per outcome for greedy requests; a chain is the paper's SSD.
     tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
+    #: ... and for sampled ones (leaves are i.i.d. draws). A chain by default: at T = 0.8 on the real pair,
+    #: trees halved the cache-hit rate and ran slower than chains (README, "SSD candidate trees").
+    sampled_tree: TreeShape = field(default_factory=TreeShape)
 
     @property
     def max_nodes(self) -> int:
         """The largest speculation this drafter sends: K spine nodes and the tree's leaves."""
-        return self.k + sum(self.tree.leaves(self.k))
+        return self.k + max(sum(self.tree.leaves(self.k)), sum(self.sampled_tree.leaves(self.k)))
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:

@@ -56,7 +56,7 @@ class BatchDrafter:
         self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
         self.draft_s = 0.0
 
-    def observe_verify_time(self, seconds: float) -> None:
+    def observe_verify_time(self, seconds: float, tokens: int = 0) -> None:
         """Synchronous drafting needs no verify-time estimate."""
 
     def release(self, seq: Sequence) -> None:

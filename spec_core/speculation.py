@@ -147,6 +147,8 @@ class OutcomeEvent:
     #: chain slot, ``num_accepted``).
     parents: list[int] | None = None
     slot: int | None = None
+    #: The verifier's measured cost of one more tree node, as a fraction of its current verify (None: unknown).
+    node_cost: float | None = None
 
     @property
     def key(self) -> tuple[int, int]:

@@ -89,7 +89,7 @@ def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, back
     """``regime``: hits (the drafter's cache), jit (it drops its cache: every round drafted just in time) or
     backup (no drafter: every round an n-gram proposal)."""
     cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=8), saguaro_c=c, num_blocks=8192, block_size=8,
-                    drop_cache=regime == "jit", ship_raw_q=ship_raw_q, tree=TREE)
+                    drop_cache=regime == "jit", ship_raw_q=ship_raw_q, sampled_tree=TREE)
     link = DrafterDown() if regime == "backup" else LoopbackLink(SSDDrafter(draft, cfg))
     proposer = SSDProposer(link, VOCAB, backup_greedy_match=backup_greedy_match, wait_fraction=0.5,
                            backup_policy="neural")

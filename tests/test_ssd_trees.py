@@ -196,3 +196,35 @@ def test_a_bundle_built_on_a_backup_round_has_its_own_fan_out(tiny_models):
     before = (drafter.acceptance.value, drafter.backup_acceptance.value)
     drafter.observe(req, OutcomeEvent("r", 1, [1, 2, 3], 0, 9, 3))
     assert drafter.acceptance.value == before[0] and drafter.backup_acceptance.value < before[1]
+
+
+def test_auto_tree_keeps_leaves_while_they_pay(tiny_models):
+    """``--tree auto`` keeps a leaf while its expected tokens beat one more node's measured verify cost."""
+    from drafter_service.ssd_drafter import DraftRequest, SSDDrafter
+
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama-noisy"]), SSDConfig(k=3, tree=TreeShape.parse("auto")))
+    ceiling = TreeShape.parse("auto").leaves(3)
+    assert drafter.leaves_for(3) == ceiling  # no verify cost measured yet
+    drafter.accept_rate = 0.6
+    drafter.node_cost = 0.0
+    free = drafter.leaves_for(3)
+    drafter.node_cost = 0.03
+    mid = drafter.leaves_for(3)
+    drafter.node_cost = 10.0
+    dear = drafter.leaves_for(3)
+    assert free == ceiling and dear == [0, 0, 0] and free != mid != dear
+    assert all(f >= m >= d for f, m, d in zip(free, mid, dear)) and mid[0] >= mid[-1]
+    # The leaf-rank estimates learn from outcomes: here the second leaf beside the first spine node was taken.
+    tokens, parents = spine_tree([10, 11, 12], [[20, 21], [], []])
+    req = DraftRequest(Sequence("r", [5, 6], SamplingParams()), 3)
+    r0, r1 = drafter.leaf_rank[0].value, drafter.leaf_rank[1].value
+    drafter.observe(req, OutcomeEvent("r", 1, tokens, 1, 9, 3, parents=parents, slot=5))
+    assert drafter.leaf_rank[0].value < r0 and drafter.leaf_rank[1].value > r1
+
+
+def test_greedy_auto_trees_equal_ar(pair):
+    target, draft = pair
+    prompts = _prompts(4)
+    outs, s, _ = _loopback_run(target, draft, TreeShape.parse("auto"), prompts, 24)
+    assert outs == _reference(target, prompts, 24)
+    assert s.hits > 0 and s.tree_nodes > 4 * s.rounds, s

@@ -209,7 +209,7 @@ class VerifierEngine:
         forward_s = timer.elapsed_s() + self.config.verify_delay_s
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
-            self.drafter.observe_verify_time(forward_s)
+            self.drafter.observe_verify_time(forward_s, sum(len(it.token_ids) for it in items))
         finished, moves = [], ([], [])
         for b, (w, tree) in enumerate(zip(work, chosen)):
             w.seq.stats.verify_s += forward_s

@@ -147,6 +147,10 @@ class SSDProposer:
         self.state: dict[str, _ReqState] = {}
         self.stats = SSDStats()
         self.verify_s_ema = 0.01
+        from verifier_service.adaptive import LinearCost
+
+        self.verify_cost = LinearCost(decay=0.99)
+        self._last_step_tokens = 1
 
     # ---- messages -------------------------------------------------------------------------------------------
     def _take(self, msg: object) -> None:
@@ -333,7 +337,7 @@ class SSDProposer:
             self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus, next_k,
                                         verify_s=self.verify_s_ema, sent_at=now,
                                         jit=self.jit_allowed or seq.reproducible,
-                                        parents=st.verified_parents, slot=slot))
+                                        parents=st.verified_parents, slot=slot, node_cost=self.node_cost))
             st.last_key = (slot, bonus)
         st.round += 1
         st.jit_attempted = False
@@ -366,8 +370,21 @@ class SSDProposer:
         return choose_backup(b, p_hit, max(e_hit, 1e-3), BackupCost(max(e_jit, 1e-3), min(t_jit, 10.0)),
                              BackupCost(max(e_fast, 1e-3), 0.0), t_p=1.0)
 
-    def observe_verify_time(self, seconds: float) -> None:
+    def observe_verify_time(self, seconds: float, tokens: int = 0) -> None:
         self.verify_s_ema = 0.8 * self.verify_s_ema + 0.2 * seconds
+        if tokens:
+            self.verify_cost.observe(tokens, seconds)
+            self._last_step_tokens = tokens
+
+    @property
+    def node_cost(self) -> float | None:
+        """One more tree node's share of this verifier's step (the fitted slope over the step's time), for the
+        drafter's ``--tree auto``; None until the fit has seen more than one step size."""
+        c = self.verify_cost.coefficients()
+        if c is None:
+            return None
+        t0, t1 = c
+        return t1 / (t0 + t1 * self._last_step_tokens)
 
     def release(self, seq: Sequence) -> None:
         if self.state.pop(seq.request_id, None) is not None:

@@ -230,7 +230,7 @@ class Prefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., params: _Optional[_Union[SamplingSpec, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit", "verified_parents", "slot")
+    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit", "verified_parents", "slot", "node_cost")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class Outcome(_message.Message):
     NO_JIT_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_PARENTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    NODE_COST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     verified_ids: bytes
@@ -251,7 +252,8 @@ class Outcome(_message.Message):
     no_jit: bool
     verified_parents: bytes
     slot: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ..., verified_parents: _Optional[bytes] = ..., slot: _Optional[int] = ...) -> None: ...
+    node_cost: float
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ..., verified_parents: _Optional[bytes] = ..., slot: _Optional[int] = ..., node_cost: _Optional[float] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("request_id",)
