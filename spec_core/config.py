@@ -206,7 +206,7 @@ class TreeShape:
 
 
 #: The default candidate tree for ``--mode ssd`` (``ssd bench --sweep tree`` measures the alternatives).
-SSD_DEFAULT_TREE = TreeShape((4,))
+SSD_DEFAULT_TREE = TreeShape(AUTO_TREE_CEILING, auto=True)
 
 
 @dataclass(frozen=True, slots=True)

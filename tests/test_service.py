@@ -11,7 +11,7 @@ import pytest
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
-from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
+from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
 from verifier_service.client import SSDClient
 from verifier_service.drafter_link import GrpcDrafterLink, HandshakeError
 from verifier_service.scheduler import SchedulerConfig
@@ -46,7 +46,12 @@ def test_ssd_stream_equals_target_greedy(service, greedy_reference) -> None:
     assert out.streamed_token_ids == list(out.final.token_ids)  # nothing dropped or duplicated
     assert out.streamed_text == out.final.text
     assert len(out.deltas) > 1 and out.final.stats.num_rounds > 0
-    assert server.stats()["drafter_connected"]
+    stats = server.stats()
+    assert stats["drafter_connected"]
+    # Candidate trees over gRPC: the verifier saw trees (more nodes than K per round) and says why rounds missed.
+    assert stats["tree"] == str(SSD_DEFAULT_TREE) and stats["mean_tree_nodes"] > 2, stats
+    assert sum(stats["hits_by_outcome"].values()) == stats["ssd_hits"]
+    assert sum(stats["misses_by_cause"].values()) == stats["ssd_rounds"] - stats["ssd_hits"]
 
 
 def test_logprobs_are_the_targets(service, toy_pair) -> None:

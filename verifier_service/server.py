@@ -317,6 +317,11 @@ class VerifierServer:
                        tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
                                                  if s.jit_rounds + s.backup_rounds else None),
                        fast_backup_steps=s.fast_backup_steps, backup_switch_rounds=proposer.switch_rounds,
+                       tree=str(self.config.spec.tree), mean_tree_nodes=s.mean_tree_nodes, off_spine_rounds=s.off_spine_rounds,
+                       hits_by_outcome={"all_accepted": s.hits_all_accepted, "rejected": s.hits_rejected,
+                                        "off_spine": s.hits_off_spine},
+                       misses_by_cause={"late": s.misses_late, "unpredicted": s.misses_unpredicted,
+                                        "no_bundle": s.misses_no_bundle, "other_base": s.misses_other_base},
                        verifier_wait_fraction=s.wait_s / step_s if step_s > 0 else None)
         if self.link is not None:
             out.update(link_bytes_sent=self.link_bytes_base[0] + self.link.bytes_sent,
