@@ -16,7 +16,7 @@ from benchmarks.modes import BATCHED_MODES, BENCH_MODES, ModeRunner
 from benchmarks.report import ModeRuns, build_report, concurrency_row, print_summary, skipped_row, summarise
 from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, TreeShape
 from spec_core.models import set_threads
-from spec_core.prompts import humaneval_prompts, read_prompt_file
+from spec_core.prompts import chat_prompts, humaneval_prompts, read_prompt_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class BenchSettings:
     sweep: tuple[str, ...] = ()
     sd_k: int | None = None  # SD's own K (default: k), so each mode can run at its best K
     tree: str = str(SSD_DEFAULT_TREE)  # the ssd mode's candidate tree per outcome (ssd-chain: a chain)
+    prompt_set: str = "humaneval"  # or "chat": our own chat questions through the target's chat template
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -67,12 +68,15 @@ class BenchSettings:
                              args.ignore_eos, args.target_threads, concurrency=conc,
                              budget=getattr(args, "budget", 12),
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
-                             tree=tree)
+                             tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"))
 
 
-def _prompts(settings: BenchSettings) -> list[str]:
+def _prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
     if settings.prompts_file:
         return [r["prompt"] for r in read_prompt_file(settings.prompts_file)][: settings.num_prompts]
+    if settings.prompt_set == "chat":  # rendered to text, so every mode (the peers too) gets the same prompt
+        return [tokenizer.apply_chat_template(p.as_list(), tokenize=False, add_generation_prompt=True)
+                for p in chat_prompts(settings.num_prompts)]
     return humaneval_prompts(settings.num_prompts)
 
 
@@ -99,7 +103,7 @@ def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig |
 def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, draft: ModelConfig | None,
              summary: bool = True, on_block=None) -> dict:
     gen = runner.gen
-    prompts = _prompts(settings)
+    prompts = _prompts(settings, gen.pair.tokenizer)
     modes = tuple(m for m in settings.modes if m not in runner.skipped)
     for mode in modes:  # warm-up
         runner.run(mode, prompts[0], SamplingParams(max_new_tokens=4))
