@@ -37,6 +37,7 @@ class BenchSettings:
     sd_k: int | None = None  # SD's own K (default: k), so each mode can run at its best K
     tree: str = str(SSD_DEFAULT_TREE)  # the ssd mode's candidate tree per outcome (ssd-chain: a chain)
     prompt_set: str = "humaneval"  # or "chat": our own chat questions through the target's chat template
+    adaptive_k: bool = True  # the ssd modes choose K per step from measured costs, down to 0, as the service does
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -68,7 +69,8 @@ class BenchSettings:
                              args.ignore_eos, args.target_threads, concurrency=conc,
                              budget=getattr(args, "budget", 12),
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
-                             tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"))
+                             tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"),
+                             adaptive_k=not getattr(args, "fixed_k", False))
 
 
 def _prompts(settings: BenchSettings, tokenizer=None) -> list[str]:

@@ -103,7 +103,8 @@ class ModeRunner:
             tree = TreeShape.parse(settings.tree if mode == "ssd" else "chain")
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
                                 saguaro_c=settings.saguaro_c, tree=tree)
-            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg),
+            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg,
+                                                                          adaptive_k=settings.adaptive_k),
                                              eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}

@@ -179,7 +179,8 @@ def result_to_json(res: pb.GenerateResult) -> dict:
         "request_id": res.request_id,
     }
     if res.mode != "ar":
-        out.update(num_rounds=s.num_rounds, mean_tokens_per_round=s.mean_tokens_per_round or None,
+        out.update(num_rounds=s.num_rounds, num_plain_rounds=s.num_plain_rounds,
+                   mean_tokens_per_round=s.mean_tokens_per_round or None,
                    acceptance_rate=s.acceptance_rate, acceptance_by_position=list(s.acceptance_by_position))
     if res.logprobs:
         out["logprobs"] = list(res.logprobs)

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sd-k", type=int, default=None, help="K for the sd modes (default --k): each at its best K")
     b.add_argument("--budget", type=int, default=12, help="SSD fan-out budget (pre-drafted branches per request)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro down-weighting C in (0, 1]")
+    b.add_argument("--fixed-k", action="store_true",
+                   help="the ssd modes speculate K tokens every round (default: adaptive K per step, down to 0, "
+                        "from measured costs, as ssd serve does)")
     b.add_argument("--prompt-set", choices=["humaneval", "chat"], default="humaneval",
                    help="HumanEval prompts (default) or our own chat questions through the chat template")
     b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: chain or WIDTHxLEVELS (default: the "

@@ -10,7 +10,10 @@ set it. Fitting the forward alone ignored per-token costs outside it, which on s
 and kept K too high at concurrency 16. Acceptance ``a`` is
 estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. K = 0 means plain
 decoding for that request; it re-probes speculation every ``probe_every`` rounds so a request whose text turns
-predictable gets K back.
+predictable gets K back. The other way round, while the batch speculates, every ``probe_plain_every``-th step is a
+plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-token steps, cannot tell the fixed
+cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
+gains, as it does for sampled requests at batch 16 on a CPU.
 """
 
 from __future__ import annotations
@@ -62,8 +65,13 @@ class AdaptiveK:
     prior_a: float = 0.7
     prior_weight: float = 8.0
     probe_every: int = 16
+    probe_plain_every: int = 16
     cost: LinearCost | None = None
     batch_k: int = 0
+    steps: int = 0
+    #: Steps this planner ran with K = 0 for the whole batch, and requests' rounds it planned at K = 0.
+    plain_steps: int = 0
+    plain_rounds: int = 0
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -82,6 +90,11 @@ class AdaptiveK:
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
         b = max(1, len(accept))
+        self.steps += 1
+        if self.batch_k and self.k_max and self.steps % self.probe_plain_every == 0:
+            self.plain_steps += 1
+            self.plain_rounds += len(accept)
+            return dict.fromkeys(accept, 0)  # a plain step: T(b) measured, not extrapolated
         v = self._v(b)
         if v is None:  # no cost data yet: speculate fully (and learn)
             self.batch_k = self.k_max
@@ -96,4 +109,5 @@ class AdaptiveK:
             if k == 0 and self.k_max and rounds % self.probe_every == 0:
                 k = 1  # re-probe: acceptance estimates need drafted tokens to move
             out[rid] = k
+            self.plain_rounds += int(k == 0)
         return out

@@ -36,6 +36,7 @@ def _stats_pb(finished: Finished) -> pb.RequestStats:
         out.mean_tokens_per_round = s.mean_tokens_per_round
         out.acceptance_rate = s.acceptance_rate or 0.0
         out.num_drafted, out.num_accepted = s.num_drafted, s.num_accepted
+        out.num_plain_rounds = s.num_rounds - s.num_drafts
         out.acceptance_by_position.extend(s.acceptance_by_position())
     return out
 

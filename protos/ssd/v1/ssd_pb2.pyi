@@ -90,7 +90,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("ttft_s", "decode_s", "tokens_per_s", "num_rounds", "mean_tokens_per_round", "acceptance_rate", "acceptance_by_position", "num_drafted", "num_accepted")
+    __slots__ = ("ttft_s", "decode_s", "tokens_per_s", "num_rounds", "mean_tokens_per_round", "acceptance_rate", "acceptance_by_position", "num_drafted", "num_accepted", "num_plain_rounds")
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class RequestStats(_message.Message):
     ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ttft_s: float
     decode_s: float
     tokens_per_s: float
@@ -109,7 +110,8 @@ class RequestStats(_message.Message):
     acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
     num_drafted: int
     num_accepted: int
-    def __init__(self, ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., num_rounds: _Optional[int] = ..., mean_tokens_per_round: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ...) -> None: ...
+    num_plain_rounds: int
+    def __init__(self, ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., num_rounds: _Optional[int] = ..., mean_tokens_per_round: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_plain_rounds: _Optional[int] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("request_id", "mode", "token_ids", "text", "finish_reason", "num_prompt_tokens", "logprobs", "stats", "token_logprobs")
