@@ -38,6 +38,9 @@ class BenchSettings:
     tree: str = str(SSD_DEFAULT_TREE)  # the ssd mode's candidate tree per outcome (ssd-chain: a chain)
     prompt_set: str = "humaneval"  # or "chat": our own chat questions through the target's chat template
     adaptive_k: bool = True  # the ssd modes choose K per step from measured costs, down to 0, as the service does
+    #: Seed sampled requests. A seeded sampled request is reproducible, so its K stays fixed (adaptive K would
+    #: change its tokens) and it waits for neural drafts: what a user who passes `seed` gets, not the default.
+    seeded: bool = False
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -70,7 +73,11 @@ class BenchSettings:
                              budget=getattr(args, "budget", 12),
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
                              tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"),
-                             adaptive_k=not getattr(args, "fixed_k", False))
+                             adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False))
+
+
+def _seed(settings: BenchSettings, prompt: int, rep: int) -> int | None:
+    return 1000 * prompt + rep if settings.seeded else None
 
 
 def _prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
@@ -122,7 +129,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                     order = modes[rep % len(modes):] + modes[: rep % len(modes)]
                     for mode in order:
                         params = SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
-                                                ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
+                                                ignore_eos=settings.ignore_eos, seed=_seed(settings, pi, rep))
                         runs[mode].add((pi, rep), runner.run(mode, prompt, params))
                         bar.update()
         if temp == 0:
@@ -155,7 +162,7 @@ def _run_concurrency(settings: BenchSettings, runner: ModeRunner, prompts: list[
     with progress(settings.repeats * len(modes), f"T={temp} concurrency {c}") as bar:
         for rep in range(settings.repeats):
             params = [SamplingParams(temperature=temp, max_new_tokens=settings.max_new_tokens,
-                                     ignore_eos=settings.ignore_eos, seed=1000 * pi + rep)
+                                     ignore_eos=settings.ignore_eos, seed=_seed(settings, pi, rep))
                       for pi in range(len(prompts))]
             for mode in modes[rep % len(modes):] + modes[: rep % len(modes)]:
                 acc[mode].append(runner.run_concurrent(mode, prompts, params, c))

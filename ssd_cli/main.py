@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fixed-k", action="store_true",
                    help="the ssd modes speculate K tokens every round (default: adaptive K per step, down to 0, "
                         "from measured costs, as ssd serve does)")
+    b.add_argument("--seeded", action="store_true",
+                   help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
     b.add_argument("--prompt-set", choices=["humaneval", "chat"], default="humaneval",
                    help="HumanEval prompts (default) or our own chat questions through the chat template")
     b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: chain or WIDTHxLEVELS (default: the "
