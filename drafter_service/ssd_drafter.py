@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter_service.candidate_trees import GrowingTree, auto_leaves, leaf_tokens
 from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig, TreeShape
@@ -42,7 +43,7 @@ from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
-from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, spine_tree
+from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
 
@@ -50,37 +51,6 @@ logger = logging.getLogger(__name__)
 
 #: Candidate ranks tracked per position for the miss-exponent estimate.
 MAX_RANK = 16
-
-
-def leaf_tokens(logits: torch.Tensor, spine: list[int], extra: int) -> list[list[int]]:
-    """For each row of ``logits [m, V]``, its ``extra`` likeliest tokens other than the row's spine token (the
-    leaves beside it; excluding it explicitly keeps them distinct when logits tie)."""
-    top = to_host(torch.topk(logits, extra + 1, dim=-1).indices)
-    return [[t for t in row if t != tok][:extra] for row, tok in zip(top, spine)]
-
-
-@dataclass(slots=True)
-class GrowingTree:
-    """One speculation being drafted level by level: the spine's tokens and q rows, and the leaves beside each
-    spine node with theirs (a sampled leaf's row is its spine node's: siblings are i.i.d. draws from one q)."""
-
-    spine: list[int] = field(default_factory=list)
-    q: list[torch.Tensor] = field(default_factory=list)
-    leaves: list[list[int]] = field(default_factory=list)
-    leaf_q: list[torch.Tensor] = field(default_factory=list)
-
-    def add(self, token: int, q_row: torch.Tensor | None, leaves: list[int], leaf_q: torch.Tensor | None) -> None:
-        self.spine.append(token)
-        self.leaves.append(leaves)
-        if q_row is not None:
-            self.q.append(q_row)
-            if leaf_q is not None:
-                self.leaf_q.append(leaf_q)
-
-    def speculation(self, source: str = "cache") -> Speculation:
-        tokens, parents = spine_tree(self.spine, self.leaves)
-        probs = torch.cat([torch.stack(self.q), *self.leaf_q]) if self.q else None
-        return Speculation(tokens, probs, source, parents)
 
 
 @dataclass(slots=True)
@@ -179,27 +149,9 @@ class SSDDrafter:
         return self.leaves_for(k, tree) if tree.auto else tree.leaves(k)
 
     def leaves_for(self, k: int, tree: TreeShape | None = None) -> list[int]:
-        """``--tree auto``: leaves per spine depth, up to the shape's ceiling, each kept while it pays.
-
-        Leaf r beside spine node d adds ``P(reach d) · (1 - a) · P(no earlier leaf) · ρ_r`` expected tokens per
-        round (a: the spine's acceptance, ρ_r: leaf rank r's measured acceptance); it costs one tree node, which
-        slows the round by the verifier's measured ``node_cost`` and so is worth ``node_cost · E[tokens per
-        round]`` tokens. Until the verifier has measured a cost, the ceiling is used."""
-        cap = (tree or self.config.tree).leaves(k)
-        if self.node_cost is None:
-            return cap
-        a = min(self.accept_rate, 0.999)
-        per_round = (1 - a ** (k + 1)) / (1 - a)
-        price = self.node_cost * per_round
-        out, reach = [], 1.0
-        for d in range(k):
-            left, n = reach * (1 - a), 0  # P(the spine is rejected here and no leaf so far was accepted)
-            while n < cap[d] and left * self.leaf_rank[n].value > price:
-                left *= 1 - self.leaf_rank[n].value
-                n += 1
-            out.append(n)
-            reach *= a
-        return out
+        """``--tree auto``: leaves per spine depth for this drafter's measured rates (:func:`auto_leaves`)."""
+        return auto_leaves((tree or self.config.tree).leaves(k), self.accept_rate,
+                           [r.value for r in self.leaf_rank], self.node_cost)
 
     def _pick_leaves(self, req: DraftRequest, logits: torch.Tensor, spine: list[int], q: torch.Tensor | None,
                      positions: list[int], extra: int) -> list[tuple[list[int], torch.Tensor | None]]:

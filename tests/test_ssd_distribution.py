@@ -48,17 +48,18 @@ def tables(pair) -> list[torch.Tensor]:
     return exact_pairs(pair[0])
 
 
-def exact_pairs(target: ModelRunner, m: int = M) -> list[torch.Tensor]:
-    """Marginal tables P(t_i, t_{i+1}) [V, V] of the target at TEMP after PROMPT, for i = 0..m-2."""
-    v = VOCAB
+def exact_pairs(target: ModelRunner, m: int = M, vocab: int = VOCAB, prompt: list[int] = PROMPT,
+                temp: float = TEMP) -> list[torch.Tensor]:
+    """Marginal tables P(t_i, t_{i+1}) [V, V] of the target at ``temp`` after ``prompt``, for i = 0..m-2."""
+    v = vocab
     joint = torch.ones(1, dtype=torch.float64)
     prefixes = torch.zeros(1, 0, dtype=torch.long)
     for _ in range(m):
-        ctx = torch.cat([torch.tensor(PROMPT).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        ctx = torch.cat([torch.tensor(prompt).expand(prefixes.shape[0], -1), prefixes], dim=1)
         n, t = ctx.shape
         logits = target.forward(target.new_cache(n, t + 1), ctx, torch.arange(t).expand(n, -1),
                                 logits_index=torch.full((n, 1), t - 1))
-        probs = logits_to_probs(logits, torch.full((n,), TEMP))[:, 0].double()  # [n, V]
+        probs = logits_to_probs(logits, torch.full((n,), temp))[:, 0].double()  # [n, V]
         joint = (joint[:, None] * probs).reshape(-1)
         prefixes = torch.cat([prefixes.repeat_interleave(v, 0), torch.arange(v).repeat(n)[:, None]], dim=1)
     full = joint.view(*([v] * m))
@@ -107,7 +108,8 @@ def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, back
 
 
 def pvalue(a: torch.Tensor, b: torch.Tensor, table: torch.Tensor) -> float:
-    counts = torch.bincount(a * VOCAB + b, minlength=VOCAB * VOCAB).double()
+    v = table.shape[0]
+    counts = torch.bincount(a * v + b, minlength=v * v).double()
     expected = table.reshape(-1).double() * a.numel()
     big = expected >= 5
     obs, exp = counts[big].tolist() + [counts[~big].sum().item()], expected[big].tolist() + [expected[~big].sum().item()]
