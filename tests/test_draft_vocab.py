@@ -14,9 +14,6 @@ from conftest import save_tiny_model
 from test_engine import ar_reference, make_engine
 from test_ssd_distribution import TEMP, exact_pairs, min_pvalue
 
-VOCAB = 12
-PROMPT = [3, 1, 4, 1, 5]
-
 from spec_core.config import SamplingParams
 from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.runner import ModelRunner
@@ -24,6 +21,8 @@ from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import Sequence
 
 N = 3000
+VOCAB = 12
+PROMPT = [3, 1, 4, 1, 5]
 MAP = [0, 1, 2, 3, 5, 7, 8, 10]  # 8 of the 12 ids
 
 
