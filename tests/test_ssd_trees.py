@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_decoding import generate_ar
+from test_ssd import _reference
 
 from protos import codec
 from spec_core.config import SamplingParams, SSDConfig, TreeShape
@@ -108,15 +108,6 @@ def test_a_bundle_of_trees_round_trips_bit_for_bit():
 def _prompts(n: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     return [torch.randint(0, 256, (5 + 2 * i,), generator=gen).tolist() for i in range(n)]
-
-
-def _reference(target: ModelRunner, prompts, n_new: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        seq = Sequence("ref", p, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
-        generate_ar(target, seq)
-        out.append(seq.output_ids)
-    return out
 
 
 def _loopback_run(target, draft, tree: TreeShape, prompts, n_new: int, drop_cache=False, jit=True):
