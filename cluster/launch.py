@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
-from spec_core.config import SSD_DEFAULT_TREE, CacheConfig, ModelConfig, SpeculationConfig, SSDConfig, TreeShape
+from spec_core.config import SSD_DEFAULT_TREE, CacheConfig, ModelConfig, SpeculationConfig, SSDConfig, TreeShape, \
+    draft_dtype
 from spec_core.fanout import FanoutConfig
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
@@ -89,7 +90,8 @@ class PairConfig:
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
                         tree=TreeShape.parse(self.tree))
-        return DrafterServerConfig(ModelConfig(self.draft_path, self.dtype, self.device), ssd, host="node-ip",
+        draft = ModelConfig(self.draft_path, draft_dtype(self.dtype, self.device), self.device)
+        return DrafterServerConfig(draft, ssd, host="node-ip",
                                    kv_memory_fraction=self.kv_memory_fraction)
 
 

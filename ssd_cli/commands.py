@@ -15,12 +15,13 @@ logger = logging.getLogger("ssd")
 
 def _model_configs(args: argparse.Namespace, need_draft: bool):
     """The target (and draft) configs from flags, their folders checked: cheap, before torch is imported."""
-    from spec_core.config import ModelConfig
+    from spec_core.config import ModelConfig, draft_dtype
     from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
-    draft = ModelConfig(args.draft or pair["draft"], dtype=args.dtype, device=args.device) if need_draft else None
+    draft = (ModelConfig(args.draft or pair["draft"], dtype=draft_dtype(args.dtype, args.device), device=args.device)
+             if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
             check_model_dir(cfg.path)
@@ -160,7 +161,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
-    from spec_core.config import ModelConfig, SamplingParams
+    from spec_core.config import ModelConfig, SamplingParams, draft_dtype
     from spec_core.model_paths import check_model_dir, default_pair
     from spec_core.models import set_threads
     from verifier_service.api import Generator
@@ -170,7 +171,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for path in pair.values():
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
-    gen = Generator(target, ModelConfig(pair["draft"], dtype=args.dtype, device=args.device), k=args.k)
+    draft = ModelConfig(pair["draft"], dtype=draft_dtype(args.dtype, args.device), device=args.device)
+    gen = Generator(target, draft, k=args.k)
     prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up

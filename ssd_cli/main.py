@@ -22,7 +22,7 @@ class CliError(Exception):
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, fp32 elsewhere, CPU)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min; both fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 (default auto)")
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 (default auto)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
     b.add_argument("--prompt-set", choices=["humaneval", "chat"], default="humaneval",
                    help="HumanEval prompts (default) or our own chat questions through the chat template")
-    b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: chain or WIDTHxLEVELS (default: the "
-                   "service's, 2x2); ssd-chain always drafts chains")
+    b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: auto, chain, WIDTHxLEVELS or W1,W2,... "
+                   "(default: the service's, auto); ssd-chain always drafts chains")
     b.add_argument("--sweep", help="k,budget,c,tree: find the best K (1-8, SD and SSD), budget, Saguaro C and "
                    "SSD candidate tree (ssd-chain beside each tree)")
     _add_model_flags(b)

@@ -37,22 +37,23 @@ def test_generate_defaults_to_auto(real_pair):
 
 def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, report):
     """On the toy pair: bf16 without native support (AVX2-only CPUs) is emulated and very slow on the real one."""
-    proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8", "--repeats", "3", "--k-max", "2", "--threads", "1",
+    proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8,int4", "--repeats", "3", "--k-max", "2", "--threads", "1",
                "--context", "32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     rows = {r["dtype"]: r for r in out["rows"]}
-    assert list(rows) == ["float32", "bfloat16", "int8"]
-    f32, b16, i8 = rows["float32"], rows["bfloat16"], rows["int8"]
-    for r in (f32, b16, i8):
+    assert list(rows) == ["float32", "bfloat16", "int8", "int4"]
+    f32, b16, i8, i4 = rows["float32"], rows["bfloat16"], rows["int8"], rows["int4"]
+    for r in (f32, b16, i8, i4):
         assert r["threads"] == 1 and r["device"] == "cpu"
         assert 0 < r["floor_t1_s"] < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
         assert set(r["V"]) == {"1", "2"}
     # the weights really are loaded in each dtype: half the bytes per token in bf16
     assert f32["weight_bytes_per_token"] == 2 * b16["weight_bytes_per_token"]
     assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
+    assert 1.6 * i4["weight_bytes_per_token"] < i8["weight_bytes_per_token"]  # 4-bit codes + a scale/min per 32
     assert f32["target_t1_s"] != b16["target_t1_s"]
-    for r in (f32, b16, i8):
+    for r in (f32, b16, i8, i4):
         report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms, matmuls alone "
                f"{r['target_matmul_t1_s'] * 1e3:.1f} ms, floor {r['floor_t1_s'] * 1e3:.1f} ms, "
                f"V(2) {r['V']['2']:.2f} (3 repeats, context 32, not asserted)")
@@ -103,4 +104,52 @@ def test_int8_weights_are_per_channel_symmetric():
     with pytest.raises(ValueError, match="unknown weight format"):
         from spec_core.runner import ModelRunner
 
-        ModelRunner("unused", weights="int4")
+        ModelRunner("unused", weights="int3")
+
+
+def _q4_1_matrix(gen, out: int, inp: int):
+    """A ``[in, out]`` matrix holding Q4_1 values, as a dequantized GGUF does: w = d·q + m per 32 inputs."""
+    import torch
+
+    q = torch.randint(0, 16, (out, inp // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # ggml's own quantizer puts each block's min at 0 and its max at 15
+    d = (torch.rand(out, inp // 32, 1, generator=gen) * 0.02).to(torch.bfloat16).float()
+    m = (-torch.rand(out, inp // 32, 1, generator=gen) * 0.1).to(torch.bfloat16).float()
+    return (d * q + m).view(out, inp).t(), q.view(out, inp)
+
+
+def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
+    import torch
+
+    from spec_core.quant import INT4_GROUP, dequantize_int4, matmul, quantize, quantize_int4
+
+    gen = torch.Generator().manual_seed(4)
+    w_t, codes = _q4_1_matrix(gen, 48, 96)
+    q = quantize_int4(w_t)
+    assert q.shape == (96, 48) and q.nbytes == 96 * 48 // 2 + (96 // INT4_GROUP) * 48 * 2 * 2
+    # the Q4_1 values come back to within the kernel's bf16 scale/zero rounding
+    back = dequantize_int4(q)
+    assert (back - w_t).abs().max() < 2e-3, (back - w_t).abs().max()
+    # ... and the codes themselves are the file's
+    assert torch.equal(q.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+    # an arbitrary float matrix: within half a step of its group's (max - min) / 15
+    w = torch.randn(64, 32, generator=gen)
+    g = w.t().reshape(32, 2, 32)
+    step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, dim=1).t()
+    assert ((dequantize_int4(quantize_int4(w)) - w).abs() <= step / 2 + 0.02 * step.max()).all()
+    x = torch.randn(2, 3, 96, generator=gen)
+    got = matmul(x, quantize(w_t, "int4"))
+    ref = x.to(torch.bfloat16).float() @ back
+    assert got.shape == (2, 3, 48) and got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+    for bad in (torch.randn(40, 16), torch.randn(32, 8)):
+        with pytest.raises(ValueError, match="divisible by 32 and output sizes by 16"):
+            quantize_int4(bad)
+
+
+def test_weight_only_dtypes_keep_the_draft_in_float():
+    from spec_core.config import draft_dtype, parse_dtype, weight_format
+
+    assert draft_dtype("int4") == draft_dtype("int8") == "float32"
+    assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
+    assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"

@@ -146,22 +146,23 @@ def test_bf16_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, 
     assert first >= 0.75 * len(prompts), first
 
 
-def test_int8_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, report, tmp_path):
-    """Weight-only int8 is its own numeric model, and not a batch-invariant one: its kernel rounds every product to
-    bf16, so a verify over K+1 rows and a single-row step can round a near-tie differently (as bf16 engines do).
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_weight_only_greedy_agreement_is_reported(fmt, real_pair, pair, prompts, hf_greedy, report, tmp_path):
+    """A weight-only format (int8, or int4: the GGUF's own Q4_1 codes) is its own numeric model, and not a
+    batch-invariant one: its kernel rounds every product to bf16, so a verify over K+1 rows and a single-row step can round a near-tie differently (as bf16 engines do).
     Its agreement with fp32, and SD's and SSD's with its own AR, are reported, not asserted."""
     from spec_core.config import ModelConfig
     from spec_core.models import load_pair
 
-    int8 = load_pair(ModelConfig(real_pair["target"], dtype="int8"), ModelConfig(real_pair["draft"]))
+    quant = load_pair(ModelConfig(real_pair["target"], dtype=fmt), ModelConfig(real_pair["draft"]))
     prompts, hf_greedy = prompts[::2], hf_greedy[::2]  # 2 code + 2 chat prompts, for time
-    ar = _batch(int8, prompts, "ar", tmp_path)
+    ar = _batch(quant, prompts, "ar", tmp_path)
     lines = []
-    for name, outs, refs in (("int8 AR vs fp32", ar, hf_greedy),
-                             ("int8 SD vs int8 AR", _batch(int8, prompts, "sd", tmp_path, k=4), ar),
-                             ("int8 SSD vs int8 AR", _batch(int8, prompts, "ssd", tmp_path, k=2,
+    for name, outs, refs in ((f"{fmt} AR vs fp32", ar, hf_greedy),
+                             (f"{fmt} SD vs {fmt} AR", _batch(quant, prompts, "sd", tmp_path, k=4), ar),
+                             (f"{fmt} SSD vs {fmt} AR", _batch(quant, prompts, "ssd", tmp_path, k=2,
                                                             draft_path=real_pair["draft"]), ar)):
         same, prefix, total, first = _agreement(outs, refs)
         lines.append(f"{name}: {same}/{len(prompts)} identical, prefix {prefix}/{total} ({prefix / total:.3f})")
         assert first >= 0.75 * len(prompts), (name, first)  # a broken path would not agree on the first token
-    report(f"int8 greedy (real target, {len(prompts)} prompts x {NEW} tokens): " + "; ".join(lines))
+    report(f"{fmt} greedy (real target, {len(prompts)} prompts x {NEW} tokens): " + "; ".join(lines))
