@@ -22,8 +22,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
-from spec_core.config import SSD_DEFAULT_TREE, CacheConfig, ModelConfig, SpeculationConfig, SSDConfig, TreeShape, \
-    draft_dtype
+from spec_core.config import (
+    SSD_DEFAULT_TREE,
+    CacheConfig,
+    ModelConfig,
+    SpeculationConfig,
+    SSDConfig,
+    TreeShape,
+    draft_dtype,
+)
 from spec_core.fanout import FanoutConfig
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
