@@ -19,7 +19,7 @@ import torch
 
 from drafter_service.process import DrafterProcessConfig, spawn_drafter
 from protos import codec
-from spec_core.config import SSDConfig
+from spec_core.config import SSDConfig, draft_dtype
 from spec_core.runner import ModelRunner
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
@@ -44,7 +44,7 @@ class LocalSSDConfig:
     backup_policy: str = "auto"
     #: K per step and request from measured costs (down to 0); off: always ``ssd.k``.
     adaptive_k: bool = False
-    #: the drafter process's dtype and device; ``None``: the target's
+    #: the drafter process's dtype and device; ``None``: the target's (see ``LocalSSD._default_draft_dtype``)
     draft_dtype: str | None = None
     draft_device: str | None = None
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
@@ -75,10 +75,16 @@ class LocalSSD:
                                  codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), cfg.backup, cfg.wait_fraction)
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
-                                 dtype=cfg.draft_dtype or str(self.target.dtype).removeprefix("torch."),
+                                 dtype=cfg.draft_dtype or self._default_draft_dtype(),
                                  device=cfg.draft_device or str(self.target.device)),
             hello,
         )
+
+    def _default_draft_dtype(self) -> str:
+        """The target's dtype, or for a weight-only target (int4, int8) the draft's own default (``draft_dtype``)."""
+        if self.target.weights is not None:
+            return draft_dtype(self.target.weights)
+        return str(self.target.dtype).removeprefix("torch.")
 
     def _watch(self) -> None:
         """Restart a dead drafter process; the proposer switches to the new link at its next step."""

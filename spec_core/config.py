@@ -63,15 +63,15 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 
 def draft_dtype(name: str, device: str = "cpu") -> str:
-    """The draft's dtype when a run asks for ``name``: a weight-only format's compute dtype, else ``name``.
+    """The draft's dtype when a run asks for ``name``: ``auto`` for a weight-only format, else ``name``.
 
     The weight formats are for the target's bandwidth-bound matrices. A draft's are small (its step is bound by
     kernel launches, not bytes), and 4-bit codes cost it acceptance: int4 on both models accepted 0.11 per token
-    against 0.27 with the draft in float.
+    against 0.27 with the draft in float. ``auto`` (bf16 on native-bf16 hardware) keeps a draft's batched
+    branch steps flat: 8.5 ms for 12 rows against 12.6 ms in fp32 here.
     """
-    name = check_dtype(name)
     resolved = resolve_dtype(name, device)
-    return WEIGHT_ONLY.get(resolved, name)
+    return "auto" if resolved in WEIGHT_ONLY else check_dtype(name)
 
 
 def weight_format(name: str, device: str = "cpu") -> str | None:

@@ -141,12 +141,15 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w.w, bias)
     if bias is not None:
         return matmul(x, w) + bias
-    flat = x.reshape(-1, x.shape[-1]).to(KERNEL_INPUT_DTYPE)
+    flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(KERNEL_INPUT_DTYPE)
     if isinstance(w, Int4Weight):
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w.packed, INT4_GROUP, w.scale_zero)
+        y = _int4_mm(flat, w.packed, INT4_GROUP, w.scale_zero)
     else:
         y = torch._weight_int8pack_mm(flat, w.q, w.scale)
-    return y.view(*x.shape[:-1], w.shape[1]).to(x.dtype)
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload itself: no dispatch by arguments
 
 
 def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:

@@ -100,7 +100,8 @@ class ArchSpec:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale."""
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale. (torch's ``F.rms_norm`` gives the same fp32
+    bits but measured 5% slower a decode step here.)"""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -323,13 +324,13 @@ class ModelRunner:
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
             qkv = matmul(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(bsz, t, spec.num_heads, spec.head_dim)
-            k = k.view(bsz, t, spec.num_kv_heads, spec.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-            q = apply_rope(q.transpose(1, 2), cos, sin)
-            k = apply_rope(k.transpose(1, 2), cos, sin)
+            if layer.q_norm is None:  # q and k heads rotated in one pass (the same elementwise arithmetic)
+                qk = qkv[..., : self.q_size + self.kv_size].view(bsz, t, spec.num_heads + spec.num_kv_heads, -1)
+                q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
+            else:
+                q = rms_norm(q.view(bsz, t, spec.num_heads, spec.head_dim), layer.q_norm, spec.rms_norm_eps)
+                k = rms_norm(k.view(bsz, t, spec.num_kv_heads, spec.head_dim), layer.k_norm, spec.rms_norm_eps)
+                q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
             v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
             keys, values = store(li, k, v)
             if self.attention_in_fp32:

@@ -150,6 +150,6 @@ def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
 def test_weight_only_dtypes_keep_the_draft_in_float():
     from spec_core.config import draft_dtype, parse_dtype, weight_format
 
-    assert draft_dtype("int4") == draft_dtype("int8") == "float32"
+    assert draft_dtype("int4") == draft_dtype("int8") == "auto"
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
