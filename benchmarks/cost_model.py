@@ -81,8 +81,13 @@ def read_bandwidth(device: torch.device, nbytes: int = 512 << 20, repeats: int =
     return nbytes / median_time(lambda: buf.sum(), device, repeats)
 
 
-def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop) -> None:
-    """Keep another core busy the way the SSD drafter does: draft forwards, back to back."""
+#: How long the busy-core draft may take to load.
+READY_TIMEOUT_S = 120.0
+
+
+def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop, ready) -> None:
+    """Keep another core busy the way the SSD drafter does: draft forwards, back to back (``ready`` is set once
+    they run)."""
     from spec_core.config import parse_dtype
 
     if hasattr(os, "sched_setaffinity"):
@@ -92,6 +97,8 @@ def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop) -> N
     cache = draft.new_cache(1, context + 2)
     draft.forward(cache, torch.randint(0, draft.vocab_size, (1, context)), torch.arange(context)[None])
     ids, pos = torch.randint(0, draft.vocab_size, (1, 1)), torch.tensor([[context]])
+    draft.forward(cache, ids, pos)
+    ready.set()
     while not stop.is_set():
         draft.forward(cache, ids, pos)
 
@@ -102,11 +109,14 @@ def target_t1_with_other_core_busy(target: ModelRunner, draft_path: str, context
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    proc = ctx.Process(target=_spin_draft, args=(draft_path, other_core, context, dtype, stop), daemon=True)
+    stop, ready = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_spin_draft, args=(draft_path, other_core, context, dtype, stop, ready), daemon=True)
     proc.start()
     try:
-        time.sleep(3.0)  # let it load and start spinning
+        # Time only once it spins: a fixed 3 s wait timed the draft's loading instead (imports and file reads on the
+        # other core), which reported 2-3x slowdowns that steady drafting does not cause.
+        if not ready.wait(READY_TIMEOUT_S):
+            raise RuntimeError(f"the draft on core {other_core} did not start within {READY_TIMEOUT_S} s")
         return time_forward(target, context, 1, repeats)
     finally:
         stop.set()
@@ -133,15 +143,16 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
                   repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1) -> dict:
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
     then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
-    from spec_core.config import parse_dtype, resolve_dtype, weight_format
+    from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
 
     name = resolve_dtype(dtype, device)
+    draft_name = resolve_dtype(draft_dtype(name, device), device)  # as every command loads the draft
     on_cpu = torch.device(device).type == "cpu"
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
     with pinned(cores, threads):
         target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name))
-        draft = ModelRunner(draft_path, dtype=parse_dtype(name), device=device)
+        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         matmul = time_matmuls(target, 1, repeats)
@@ -149,10 +160,12 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
         bandwidth = read_bandwidth(target.device)
         busy = None
         if on_cpu and core is not None and threads == 1 and ncpu > 1:
-            busy = target_t1_with_other_core_busy(target, draft_path, context, 1 if core == 0 else 0, repeats, name)
+            busy = target_t1_with_other_core_busy(target, draft_path, context, 1 if core == 0 else 0, repeats,
+                                                  draft_name)
     weight_bytes = target.weight_bytes_per_token()
     return {"dtype": name, "device": str(target.device), "threads": threads, "context": context,
             "target_t1_s": t1, "target_matmul_t1_s": matmul, "t1_over_matmul": t1 / matmul,
             "floor_t1_s": weight_bytes / bandwidth, "weight_bytes_per_token": weight_bytes,
             "read_bandwidth_gbs": bandwidth / 1e9, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
+            "draft_dtype": draft_name,
             "c": d1 / t1, "target_over_draft": t1 / d1, "V": v}
