@@ -97,7 +97,7 @@ class PairConfig:
     def drafter_config(self) -> DrafterServerConfig:
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
                         tree=TreeShape.parse(self.tree))
-        draft = ModelConfig(self.draft_path, draft_dtype(self.dtype, self.device), self.device)
+        draft = ModelConfig(self.draft_path, draft_dtype(self.dtype), self.device)
         return DrafterServerConfig(draft, ssd, host="node-ip",
                                    kv_memory_fraction=self.kv_memory_fraction)
 

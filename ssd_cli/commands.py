@@ -20,7 +20,7 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
 
     pair = default_pair()
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
-    draft = (ModelConfig(args.draft or pair["draft"], dtype=draft_dtype(args.dtype, args.device), device=args.device)
+    draft = (ModelConfig(args.draft or pair["draft"], dtype=draft_dtype(args.dtype), device=args.device)
              if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
@@ -171,7 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for path in pair.values():
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
-    draft = ModelConfig(pair["draft"], dtype=draft_dtype(args.dtype, args.device), device=args.device)
+    draft = ModelConfig(pair["draft"], dtype=draft_dtype(args.dtype), device=args.device)
     gen = Generator(target, draft, k=args.k)
     prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
