@@ -64,6 +64,7 @@ class LinearWeight:
 
 #: Weights per int4 group (Q4_1's block size).
 INT4_GROUP = 32
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload itself: no dispatch by arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +110,7 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     """The ``[in, out]`` fp32 matrix an :class:`Int4Weight` stands for, read back through the kernel itself."""
     inp = w.shape[0]
     eye = torch.eye(inp, dtype=KERNEL_INPUT_DTYPE)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, w.packed, INT4_GROUP, w.scale_zero).float()
+    return _int4_mm(eye, w.packed, INT4_GROUP, w.scale_zero).float()
 
 
 def quantize_int8(w_t: torch.Tensor) -> Int8Weight:
@@ -147,9 +148,6 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     else:
         y = torch._weight_int8pack_mm(flat, w.q, w.scale)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-
-
-_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload itself: no dispatch by arguments
 
 
 def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:

@@ -323,11 +323,12 @@ class ModelRunner:
         for li, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
             qkv = matmul(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             if layer.q_norm is None:  # q and k heads rotated in one pass (the same elementwise arithmetic)
-                qk = qkv[..., : self.q_size + self.kv_size].view(bsz, t, spec.num_heads + spec.num_kv_heads, -1)
+                qk = qk.view(bsz, t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
                 q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
             else:
+                q, k = qk.split([self.q_size, self.kv_size], dim=-1)
                 q = rms_norm(q.view(bsz, t, spec.num_heads, spec.head_dim), layer.q_norm, spec.rms_norm_eps)
                 k = rms_norm(k.view(bsz, t, spec.num_kv_heads, spec.head_dim), layer.k_norm, spec.rms_norm_eps)
                 q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
