@@ -52,7 +52,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         if engine.adaptive is not None:
             ks.append(engine.adaptive.batch_k)
     wall = time.perf_counter() - t0
-    engine.adaptive = None
+    planner, engine.adaptive = engine.adaptive, None
     m = engine.metrics.stats.since(before_stats)
     total = sum(len(s.output_ids) for s in seqs)
     out = {
@@ -65,6 +65,8 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         "num_generated": total,
         "cache_hit_rate": None,
         "mean_batch_k": sum(ks) / len(ks) if ks else None,
+        # steps the measured back-off held the batch at plain decoding (speculation measured slower than plain)
+        "backoff_step_fraction": planner.backoff_steps / len(ks) if planner is not None and ks else None,
     }
     if before is not None:
         after = _ssd_counters(local_ssd)

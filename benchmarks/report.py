@@ -171,6 +171,8 @@ def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference:
         "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else "")
                      + (f", {c} streaming gRPC clients" if mode == "ssd-service" else "")),
         "mean_batch_k": mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
+        "backoff_step_fraction": mean([r["backoff_step_fraction"] for r in runs
+                                       if r.get("backoff_step_fraction") is not None]),
         "num_runs": len(runs),
         "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

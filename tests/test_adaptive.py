@@ -54,6 +54,40 @@ def test_k_falls_to_zero_when_speculation_does_not_pay() -> None:
     assert mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 32)})["hard"] == 1
 
 
+def _run_steps(planner: AdaptiveK, steps: int, b: int, spec_s: float, plain_s: float, emitted: int) -> list[int]:
+    """Drive the planner through ``steps`` decode steps of ``b`` requests: a step that speculates (K > 0 for any
+    request) takes ``spec_s`` and emits ``emitted`` tokens, a plain one ``plain_s`` and ``b``. Returns batch K."""
+    ks = []
+    for _ in range(steps):
+        plan = planner.plan({f"r{i}": (50, 100, 40) for i in range(b)})
+        k = sum(plan.values())
+        planner.observe_step(b + k, spec_s if k else plain_s, emitted if k else b, b)
+        ks.append(planner.batch_k if k else 0)
+    return ks
+
+
+def test_measured_backoff_stops_speculation_that_loses() -> None:
+    # The model is told speculation is nearly free (flat cost, a flattering prior), but each speculating step
+    # measures 1.4x a plain one's time for 1.2x its tokens: the guard backs the batch off to plain decoding.
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
+    ks = _run_steps(planner, 200, b=16, spec_s=0.14, plain_s=0.1, emitted=19)
+    assert planner.backoffs >= 2 and planner.backoff_steps > 150
+    assert sum(k > 0 for k in ks) < 40  # probing windows only, and the holds grow
+    assert planner.next_hold > planner.hold
+    # The same model where speculation really pays (2x the tokens for 1.3x the time) never backs off.
+    paying = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
+    ks = _run_steps(paying, 200, b=16, spec_s=0.13, plain_s=0.1, emitted=32)
+    assert paying.backoffs == 0 and sum(k > 0 for k in ks) > 180
+
+
+def test_measured_backoff_returns_when_speculation_pays_again() -> None:
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
+    _run_steps(planner, 20, b=16, spec_s=0.14, plain_s=0.1, emitted=17)
+    assert planner.backoffs == 1 and planner.hold_left > 0
+    ks = _run_steps(planner, planner.hold_left + 40, b=16, spec_s=0.12, plain_s=0.1, emitted=30)
+    assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.next_hold == 0
+
+
 def test_backup_choice_flips_at_b_star() -> None:
     prop = SSDProposer(link=None, vocab_size=10, backup_policy="auto")
     s = prop.stats

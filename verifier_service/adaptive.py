@@ -14,6 +14,14 @@ predictable gets K back. The other way round, while the batch speculates, every 
 plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-token steps, cannot tell the fixed
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
 gains, as it does for sampled requests at batch 16 on a CPU.
+
+Measured back-off. The model above predicts; the guard checks. Each speculating decode step's goodput is its
+emitted tokens per request over its time in plain steps, ``(emitted / b) · T(b) / step_s`` (plain decoding scores 1).
+Its exponentially weighted mean over a window of ``probe_window`` steps (the first ``warmup`` skipped: an SSD
+drafter that idled has nothing pre-drafted yet) below ``min_gain`` sends the whole batch to plain decoding for
+``hold`` steps, doubling on each failed window up to ``max_hold``; then it speculates again and re-measures. So
+wherever the estimates are wrong (a prior that flatters acceptance, costs outside the step), the batch still runs
+no slower than plain decoding by more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
 """
 
 from __future__ import annotations
@@ -72,6 +80,18 @@ class AdaptiveK:
     #: Steps this planner ran with K = 0 for the whole batch, and requests' rounds it planned at K = 0.
     plain_steps: int = 0
     plain_rounds: int = 0
+    #: The measured back-off (module docstring): its window, threshold and hold, its state and its counts.
+    probe_window: int = 6
+    warmup: int = 2
+    min_gain: float = 1.0
+    hold: int = 48
+    max_hold: int = 512
+    gain: float | None = None
+    window_steps: int = 0
+    hold_left: int = 0
+    next_hold: int = 0
+    backoffs: int = 0
+    backoff_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -87,15 +107,47 @@ class AdaptiveK:
             return None
         return lambda k: self.cost.time(b * (k + 1)) / t_b
 
+    def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int) -> None:
+        """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered."""
+        self.cost.observe(tokens, seconds)
+        if tokens <= batch or self.hold_left:  # a plain step
+            return
+        self.window_steps += 1
+        t_b = self.cost.time(batch)
+        if self.window_steps <= self.warmup or t_b is None or seconds <= 0:
+            return
+        g = emitted / batch * t_b / seconds
+        self.gain = g if self.gain is None else 0.7 * self.gain + 0.3 * g
+        if self.window_steps < self.probe_window:
+            return
+        if self.gain < self.min_gain:
+            self.hold_left = self.next_hold = min(max(self.hold, 2 * self.next_hold), self.max_hold)
+            self.backoffs += 1
+            logger.info("speculation measured at %.2fx plain decoding: plain for %d steps", self.gain, self.hold_left)
+        elif self.window_steps == self.probe_window:
+            self.next_hold = 0  # a window that paid: the next back-off starts from the shortest hold
+
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
         b = max(1, len(accept))
         self.steps += 1
-        if self.batch_k and self.k_max and self.steps % self.probe_plain_every == 0:
+        if self.hold_left and self.k_max:
+            self.hold_left -= 1
+            if not self.hold_left:  # speculate again, and measure it afresh
+                self.window_steps, self.gain = 0, None
+            self.batch_k = 0
             self.plain_steps += 1
             self.plain_rounds += len(accept)
-            return dict.fromkeys(accept, 0)  # a plain step: T(b) measured, not extrapolated
+            self.backoff_steps += 1
+            return dict.fromkeys(accept, 0)
         v = self._v(b)
+        # A plain step: T(b) measured, not extrapolated. Until the fit spans two step sizes, every 4th step is one,
+        # so a batch where speculation loses stops speculating within a few steps, not after a whole probe period.
+        probe = self.steps % self.probe_plain_every == 0 or (v is None and self.steps % 4 == 0)
+        if self.batch_k and self.k_max and probe:
+            self.plain_steps += 1
+            self.plain_rounds += len(accept)
+            return dict.fromkeys(accept, 0)
         if v is None:  # no cost data yet: speculate fully (and learn)
             self.batch_k = self.k_max
             return {rid: self.k_max for rid in accept}

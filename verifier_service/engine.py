@@ -195,7 +195,7 @@ class VerifierEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        c0 = crossings().total
+        c0, emitted_before = crossings().total, self.metrics.tokens_emitted
         trees = self._propose(work)
         c_propose = crossings().total - c0
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
@@ -222,10 +222,11 @@ class VerifierEngine:
         self.cache.copy_slots(*moves)  # before any block is handed out again (next step's schedule)
         for seq in finished:
             self._finish(seq)
-        self._account(work, items, t_step, crossings().total - c0 - c_propose)
+        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before)
         return finished
 
-    def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int) -> None:
+    def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int,
+                 emitted_before: int) -> None:
         m = self.metrics
         m.num_steps += 1
         m.batch_sizes.append(len(work))
@@ -234,8 +235,13 @@ class VerifierEngine:
         m.last_step_crossings = crossed
         step_s = time.perf_counter() - t_step
         m.step_s += step_s
-        if self.adaptive is not None:  # the whole step: drafting, tree handling and rejection cost what K costs
-            self.adaptive.cost.observe(sum(len(it.token_ids) for it in items), step_s)
+        # The whole step: drafting, tree handling and rejection cost what K costs. Decode steps only: a prefill
+        # chunk's tokens cost a fraction of a decode token's (matmuls over many rows), and fitting them made
+        # speculation look nearly free at batch 16 for the ~50 steps the fit took to forget a prefill wave. A decode
+        # request has one pending token (the last round's bonus).
+        if self.adaptive is not None and all(w.num_pending <= 1 for w in work):
+            self.adaptive.observe_step(sum(len(it.token_ids) for it in items), step_s,
+                                       m.tokens_emitted - emitted_before, len(work))
 
     def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor, argmax: list[int],
                moves: tuple[list[int], list[int]]) -> None:
