@@ -110,7 +110,7 @@ class AdaptiveK:
     def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int) -> None:
         """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered."""
         self.cost.observe(tokens, seconds)
-        if tokens <= batch or self.hold_left:  # a plain step
+        if tokens <= batch or self.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
             return
         self.window_steps += 1
         t_b = self.cost.time(batch)
@@ -131,20 +131,18 @@ class AdaptiveK:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
         b = max(1, len(accept))
         self.steps += 1
-        if self.hold_left and self.k_max:
+        held = bool(self.hold_left and self.k_max)
+        if held:  # the measured back-off holds the batch plain
             self.hold_left -= 1
+            self.backoff_steps += 1
+            self.batch_k = 0
             if not self.hold_left:  # speculate again, and measure it afresh
                 self.window_steps, self.gain = 0, None
-            self.batch_k = 0
-            self.plain_steps += 1
-            self.plain_rounds += len(accept)
-            self.backoff_steps += 1
-            return dict.fromkeys(accept, 0)
         v = self._v(b)
         # A plain step: T(b) measured, not extrapolated. Until the fit spans two step sizes, every 4th step is one,
         # so a batch where speculation loses stops speculating within a few steps, not after a whole probe period.
         probe = self.steps % self.probe_plain_every == 0 or (v is None and self.steps % 4 == 0)
-        if self.batch_k and self.k_max and probe:
+        if held or (self.batch_k and self.k_max and probe):
             self.plain_steps += 1
             self.plain_rounds += len(accept)
             return dict.fromkeys(accept, 0)
