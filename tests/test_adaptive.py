@@ -88,6 +88,36 @@ def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.next_hold == 0
 
 
+def _run_concave(planner: AdaptiveK, steps: int, emitted: int) -> int:
+    """Batch 16 with the measured shape of a bf16 step: plain steps (16 tokens) take 0.11 s, speculating steps of
+    any size (25-58 tokens) about 0.2 s. Returns the speculating steps."""
+    import random
+
+    rng, spec = random.Random(0), 0
+    for _ in range(steps):
+        plan = planner.plan({f"r{i}": (50, 100, 40) for i in range(16)})
+        k = sum(plan.values())
+        if k:
+            spec += 1
+            planner.observe_step(16 + rng.randint(min(k, 9), max(k, 42)), 0.2 + rng.uniform(-0.02, 0.02), emitted, 16)
+        else:
+            planner.observe_step(16, 0.11 + rng.uniform(-0.01, 0.01), 16, 16)
+    return spec
+
+
+def test_plain_steps_are_measured_not_fitted() -> None:
+    # The line through these steps puts T(16) near 0.2 s, so speculation judged against it looks 1.5x as productive
+    # as plain decoding; against the measured 0.11 s plain step it is 0.86x (25 tokens a step), and the batch stops.
+    losing = AdaptiveK(k_max=3, cost=LinearCost())
+    spec = _run_concave(losing, 300, emitted=25)
+    assert losing.plain_time(16) == pytest.approx(0.11, abs=0.015)
+    assert losing.backoffs >= 1 and spec < 75, (losing.backoffs, spec)
+    # 40 tokens a step (1.4x plain decoding, measured) keeps speculating
+    paying = AdaptiveK(k_max=3, cost=LinearCost())
+    spec = _run_concave(paying, 300, emitted=40)
+    assert paying.backoffs == 0 and spec > 180, (paying.backoffs, spec)  # (plain probes, and K = 0 where marginal)
+
+
 def test_backup_choice_flips_at_b_star() -> None:
     prop = SSDProposer(link=None, vocab_size=10, backup_policy="auto")
     s = prop.stats

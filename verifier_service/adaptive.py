@@ -15,6 +15,14 @@ plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
 gains, as it does for sampled requests at batch 16 on a CPU.
 
+The guard's plain steps are measured, not fitted: :meth:`AdaptiveK.plain_time` is the measured time of plain
+decode steps of b requests (exponentially weighted; for a batch size not yet seen plain, the fit scaled by the last
+measured/fitted ratio). A step's cost is not linear in its tokens: at batch 16 in bf16, plain steps of 16 tokens
+took 105-150 ms and speculating steps of 25-58 tokens all about 200 ms, so the line through them put T(16) at
+200-260 ms and every speculating step looked 1.6-2x as productive as plain decoding when it was 0.86x. (The
+planner's V(K) keeps the fit: with the measured plain time as its denominator, batch-1 greedy SSD planned lower K
+and ran 1.58x AR against 1.67-1.73x.)
+
 Measured back-off. The model above predicts; the guard checks. Each speculating decode step's goodput is its
 emitted tokens per request over its time in plain steps, ``(emitted / b) · T(b) / step_s`` (plain decoding scores 1).
 Its exponentially weighted mean over a window of ``probe_window`` steps (the first ``warmup`` skipped: an SSD
@@ -27,7 +35,7 @@ no slower than plain decoding by more than the probing costs. ``backoffs`` and `
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spec_core.policy import best_k
 
@@ -92,6 +100,9 @@ class AdaptiveK:
     next_hold: int = 0
     backoffs: int = 0
     backoff_steps: int = 0
+    #: Measured plain decode steps: seconds by batch size (exponentially weighted), and measured / fitted.
+    plain_s: dict[int, float] = field(default_factory=dict)
+    plain_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -101,19 +112,35 @@ class AdaptiveK:
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
         return (num_accepted + self.prior_a * self.prior_weight) / (num_drafted + self.prior_weight)
 
+    def plain_time(self, b: int) -> float | None:
+        """T(b): the measured time of a plain decode step of ``b`` requests (module docstring)."""
+        if b in self.plain_s:
+            return self.plain_s[b]
+        fitted = self.cost.time(b)
+        return None if fitted is None else fitted * self.plain_ratio
+
     def _v(self, b: int):
         t_b = self.cost.time(b)
         if t_b is None:
             return None
         return lambda k: self.cost.time(b * (k + 1)) / t_b
 
+    def _observe_plain(self, batch: int, seconds: float) -> None:
+        prev = self.plain_s.get(batch)
+        self.plain_s[batch] = seconds if prev is None else 0.5 * prev + 0.5 * seconds
+        fitted = self.cost.time(batch)
+        if fitted:
+            self.plain_ratio = 0.5 * self.plain_ratio + 0.5 * seconds / fitted
+
     def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int) -> None:
         """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered."""
         self.cost.observe(tokens, seconds)
+        if tokens <= batch:
+            self._observe_plain(batch, seconds)
         if tokens <= batch or self.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
             return
         self.window_steps += 1
-        t_b = self.cost.time(batch)
+        t_b = self.plain_time(batch)
         if self.window_steps <= self.warmup or t_b is None or seconds <= 0:
             return
         g = emitted / batch * t_b / seconds
@@ -139,16 +166,18 @@ class AdaptiveK:
             if not self.hold_left:  # speculate again, and measure it afresh
                 self.window_steps, self.gain = 0, None
         v = self._v(b)
-        # A plain step: T(b) measured, not extrapolated. Until the fit spans two step sizes, every 4th step is one,
-        # so a batch where speculation loses stops speculating within a few steps, not after a whole probe period.
-        probe = self.steps % self.probe_plain_every == 0 or (v is None and self.steps % 4 == 0)
-        if held or (self.batch_k and self.k_max and probe):
+        # A plain step: T(b) measured, not extrapolated. With no cost data yet, the first steps are a plain one and
+        # then K = 1 until the fit spans two step sizes: at batch 16 a cold K = k_max step cost 2.5-3x a plain one
+        # (and waited for drafts the drafter had not begun), where the planner may end up not speculating at all.
+        cold_plain = v is None and b not in self.plain_s
+        probe = self.steps % self.probe_plain_every == 0
+        if held or cold_plain or (self.batch_k and self.k_max and probe):
             self.plain_steps += 1
             self.plain_rounds += len(accept)
             return dict.fromkeys(accept, 0)
-        if v is None:  # no cost data yet: speculate fully (and learn)
-            self.batch_k = self.k_max
-            return {rid: self.k_max for rid in accept}
+        if v is None:  # a plain step of this size is measured: one at K = 1 gives the fit its second size
+            self.batch_k = min(1, self.k_max)
+            return dict.fromkeys(accept, self.batch_k)
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
         mean_a = sum(rates.values()) / len(rates) if rates else self.prior_a
         self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
