@@ -161,3 +161,47 @@ def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
         assert [s.output_ids for s in seqs] == refs
         speculating_rounds = ssd.proposer.stats.rounds
         assert ssd.engine.metrics.num_steps - 1 > speculating_rounds  # some steps ran with K = 0
+
+
+class _ScriptedK:
+    """A planner that runs ``plain`` plain steps, then ``spec`` at K = ``k``, repeatedly (the engine's
+    ``adaptive`` interface: plan, observe_step, batch_k)."""
+
+    def __init__(self, k: int, plain: int, spec: int) -> None:
+        self.k, self.plain, self.spec, self.steps, self.batch_k = k, plain, spec, 0, 0
+
+    def plan(self, accept):
+        self.steps += 1
+        self.batch_k = self.k if self.steps % (self.plain + self.spec) >= self.plain else 0
+        return dict.fromkeys(accept, self.batch_k)
+
+    def observe_step(self, *args) -> None:
+        pass
+
+
+def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
+    """Plain rounds' outcomes wait for the request's next speculating round and go as one event. With the target
+    as its own draft, every just-in-time or pre-drafted token after such a gap is accepted only if the drafter's
+    state matches the verifier's exactly; and the output is the target's own."""
+    target = ModelRunner(tiny_models["llama"])
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    refs = []
+    for p in prompts:
+        seq = Sequence("ref", p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        generate_ar(target, seq)
+        refs.append(seq.output_ids)
+    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2,
+                         backup="none", wait_fraction=50.0)
+    with LocalSSD(target, cfg) as ssd:
+        ssd.engine.adaptive = _ScriptedK(k=3, plain=5, spec=3)
+        seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
+        for s in seqs:
+            ssd.engine.add(s)
+        ssd.engine.run()
+        ssd.engine.blocks.check_all_free()
+        assert [s.output_ids for s in seqs] == refs
+        stats = ssd.proposer.stats
+        assert stats.deferred_outcomes >= 10, stats.deferred_outcomes
+        drafted = sum(s.stats.num_drafted for s in seqs)
+        accepted = sum(s.stats.num_accepted for s in seqs)
+        assert drafted >= 12 and accepted == drafted, (accepted, drafted)

@@ -83,6 +83,8 @@ class SSDStats:
     misses_unpredicted: int = 0
     misses_no_bundle: int = 0
     misses_other_base: int = 0
+    #: Plain rounds whose outcome waited to go to the drafter with the request's next speculating round.
+    deferred_outcomes: int = 0
 
     @property
     def mean_tree_nodes(self) -> float | None:
@@ -107,6 +109,9 @@ class _ReqState:
     miss_kind: str = "no_bundle"
     bundles: dict[int, BranchBundle] = field(default_factory=dict)
     jit: dict[int, Speculation] = field(default_factory=dict)
+    #: Tokens of plain rounds (K = 0) the drafter has not been told yet: it drafts nothing for such rounds, so
+    #: their outcomes go in one event when the request next speculates (or never, if it finishes first).
+    deferred: list[int] = field(default_factory=list)
 
 
 class SSDProposer:
@@ -223,6 +228,10 @@ class SSDProposer:
         self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
         if not self.jit_allowed:
             self.stats.fast_backup_steps += 1
+        for seq, k in zip(seqs, ks):
+            st = self.state[seq.request_id]
+            if k > 0 and st.deferred:
+                self._send_deferred(seq, st, k)
         if waiting and (self.jit_allowed or any(s.reproducible for s in waiting)) and self.link.alive:
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
@@ -334,13 +343,26 @@ class SSDProposer:
                     s.tokens_on_backup += tokens
         if not seq.finished and len(seq.token_ids) > n + len(path):
             bonus = seq.token_ids[n + len(path)]
-            self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus, next_k,
-                                        verify_s=self.verify_s_ema, sent_at=now,
-                                        jit=self.jit_allowed or seq.reproducible,
-                                        parents=st.verified_parents, slot=slot, node_cost=self.node_cost))
+            if next_k == 0 and not tree.num_nodes and not seq.reproducible:
+                st.deferred.extend(accepted + [bonus])  # a plain round, and the next is plain too: tell it later
+                self.stats.deferred_outcomes += 1
+            else:
+                self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus,
+                                            next_k, verify_s=self.verify_s_ema, sent_at=now,
+                                            jit=self.jit_allowed or seq.reproducible,
+                                            parents=st.verified_parents, slot=slot, node_cost=self.node_cost))
             st.last_key = (slot, bonus)
         st.round += 1
         st.jit_attempted = False
+
+    def _send_deferred(self, seq: Sequence, st: _ReqState, k: int) -> None:
+        """The plain rounds since the drafter last heard, as one outcome of the last of them: its "speculation"
+        is their tokens, all accepted, then the last as the bonus (the drafter has no bundle for them, so it only
+        appends them, as it would have one event at a time)."""
+        tokens, st.deferred = st.deferred, []
+        self.link.send(OutcomeEvent(seq.request_id, st.round - 1, tokens[:-1], len(tokens) - 1, tokens[-1], k,
+                                    verify_s=self.verify_s_ema, sent_at=time.perf_counter(),
+                                    jit=self.jit_allowed or seq.reproducible, node_cost=self.node_cost))
 
     def replace_link(self, link: DrafterLink) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
