@@ -30,70 +30,13 @@ from spec_core.speculation import (
 )
 from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
+from verifier_service.ssd_stats import SSDStats
 
 logger = logging.getLogger(__name__)
 
 
 #: The longest a seeded sampled request waits for its just-in-time draft before the backup serves it.
 REPRODUCIBLE_WAIT_S = 30.0
-
-@dataclass(slots=True)
-class SSDStats:
-    rounds: int = 0
-    hits: int = 0
-    jit: int = 0
-    backup: int = 0
-    wait_s: float = 0.0
-    #: The longest single wait for a just-in-time draft (bounded by ``wait_fraction`` × a verify).
-    max_wait_s: float = 0.0
-    tokens_on_hit: int = 0
-    tokens_on_miss: int = 0
-    hit_rounds: int = 0
-    jit_rounds: int = 0
-    tokens_on_jit: int = 0
-    backup_rounds: int = 0
-    tokens_on_backup: int = 0
-    jit_wait_s: float = 0.0
-    #: Rounds in which the verifier waited for a JIT draft (whether or not it came in time), and their tokens.
-    jit_attempt_rounds: int = 0
-    tokens_on_jit_attempts: int = 0
-    #: Histogram of accepted tokens per speculating round: accepted_hist[j] = rounds that accepted j tokens.
-    accepted_hist: list[int] = field(default_factory=list)
-    #: Steps on which the backup policy chose the fast (n-gram) backup instead of waiting for a JIT draft.
-    fast_backup_steps: int = 0
-    #: Misses by what served the round: a just-in-time (or late) draft, or the backup (or nothing).
-    #: Invariant: ``hits + jit_misses + backup_misses == rounds``.
-    jit_misses: int = 0
-    backup_misses: int = 0
-    #: What arrived from the drafter (lifetime, across reconnects): bundles, the branches in them, JIT drafts.
-    bundles_received: int = 0
-    branches_received: int = 0
-    jit_received: int = 0
-    #: Candidate trees: nodes verified over speculating rounds, rounds whose accepted path left the spine, and
-    #: hits by the kind of outcome they predicted: all of the spine accepted, a rejection on it, or a path
-    #: through an off-spine node.
-    tree_nodes: int = 0
-    off_spine_rounds: int = 0
-    hits_all_accepted: int = 0
-    hits_rejected: int = 0
-    hits_off_spine: int = 0
-    #: Why rounds missed: the bundle had the outcome but arrived after the verify ended (it is still used), the
-    #: bundle lacked the outcome (the prediction failed), or no bundle for that speculation had arrived.
-    misses_late: int = 0
-    misses_unpredicted: int = 0
-    misses_no_bundle: int = 0
-    misses_other_base: int = 0
-    #: Plain rounds whose outcome waited to go to the drafter with the request's next speculating round.
-    deferred_outcomes: int = 0
-
-    @property
-    def mean_tree_nodes(self) -> float | None:
-        spec_rounds = sum(self.accepted_hist)
-        return self.tree_nodes / spec_rounds if spec_rounds else None
-
-    @property
-    def cache_hit_rate(self) -> float | None:
-        return self.hits / self.rounds if self.rounds else None
 
 
 @dataclass(slots=True)
