@@ -139,14 +139,20 @@ def test_backup_choice_flips_at_b_star() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_count() < 2, reason="needs two cores")
+def _ar_outputs(target: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The target's own greedy continuations of ``n`` tokens (the exactness reference)."""
+    outs = []
+    for p in prompts:
+        seq = Sequence("ref", p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        generate_ar(target, seq)
+        outs.append(seq.output_ids)
+    return outs
+
+
 def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    refs = []
-    for p in prompts:
-        seq = Sequence("ref", p, SamplingParams(max_new_tokens=24, ignore_eos=True))
-        generate_ar(target, seq)
-        refs.append(seq.output_ids)
+    refs = _ar_outputs(target, prompts, 24)
     cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
                          max_num_seqs=2, adaptive_k=True)
     with LocalSSD(target, cfg) as ssd:
@@ -185,11 +191,7 @@ def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
     state matches the verifier's exactly; and the output is the target's own."""
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    refs = []
-    for p in prompts:
-        seq = Sequence("ref", p, SamplingParams(max_new_tokens=40, ignore_eos=True))
-        generate_ar(target, seq)
-        refs.append(seq.output_ids)
+    refs = _ar_outputs(target, prompts, 40)
     cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2,
                          backup="none", wait_fraction=50.0)
     with LocalSSD(target, cfg) as ssd:

@@ -147,6 +147,9 @@ class SSDProposer:
         self._drain()
         specs: dict[str, Speculation | None] = {}
         waiting = []
+        self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
+        if not self.jit_allowed:
+            self.stats.fast_backup_steps += 1
         for seq, k in zip(seqs, ks):
             st = self.state.get(seq.request_id)
             if st is None:  # first round: the drafter catches up on the prompt while the target prefills
@@ -155,6 +158,8 @@ class SSDProposer:
                 specs[seq.request_id] = None
                 continue
             st.miss_kind = "no_bundle"
+            if k > 0 and st.deferred:  # plain rounds the drafter has not heard of: it needs them to draft this one
+                self._send_deferred(seq, st, k)
             spec, hit = self._lookup(st)
             if hit and k > 0:
                 self._count_hit_kind(st)
@@ -168,13 +173,6 @@ class SSDProposer:
             self.down_at_round, self.switch_rounds = self.stats.rounds, None
         elif alive:
             self.down_at_round = None
-        self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
-        if not self.jit_allowed:
-            self.stats.fast_backup_steps += 1
-        for seq, k in zip(seqs, ks):
-            st = self.state[seq.request_id]
-            if k > 0 and st.deferred:
-                self._send_deferred(seq, st, k)
         if waiting and (self.jit_allowed or any(s.reproducible for s in waiting)) and self.link.alive:
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
@@ -290,10 +288,8 @@ class SSDProposer:
                 st.deferred.extend(accepted + [bonus])  # a plain round, and the next is plain too: tell it later
                 self.stats.deferred_outcomes += 1
             else:
-                self.link.send(OutcomeEvent(seq.request_id, st.round, list(st.verified), len(accepted), bonus,
-                                            next_k, verify_s=self.verify_s_ema, sent_at=now,
-                                            jit=self.jit_allowed or seq.reproducible,
-                                            parents=st.verified_parents, slot=slot, node_cost=self.node_cost))
+                self._send_outcome(seq, st.round, list(st.verified), bonus, next_k, now, st.verified_parents,
+                                   slot, len(accepted))
             st.last_key = (slot, bonus)
         st.round += 1
         st.jit_attempted = False
@@ -303,9 +299,17 @@ class SSDProposer:
         is their tokens, all accepted, then the last as the bonus (the drafter has no bundle for them, so it only
         appends them, as it would have one event at a time)."""
         tokens, st.deferred = st.deferred, []
-        self.link.send(OutcomeEvent(seq.request_id, st.round - 1, tokens[:-1], len(tokens) - 1, tokens[-1], k,
-                                    verify_s=self.verify_s_ema, sent_at=time.perf_counter(),
-                                    jit=self.jit_allowed or seq.reproducible, node_cost=self.node_cost))
+        self._send_outcome(seq, st.round - 1, tokens[:-1], tokens[-1], k, time.perf_counter())
+
+    def _send_outcome(self, seq: Sequence, round_: int, verified: list[int], bonus: int, next_k: int,
+                      sent_at: float, parents: list[int] | None = None, slot: int | None = None,
+                      num_accepted: int | None = None) -> None:
+        """One :class:`OutcomeEvent` to the drafter (``num_accepted`` None: all of ``verified``, a chain)."""
+        self.link.send(OutcomeEvent(seq.request_id, round_, verified,
+                                    len(verified) if num_accepted is None else num_accepted, bonus, next_k,
+                                    verify_s=self.verify_s_ema, sent_at=sent_at,
+                                    jit=self.jit_allowed or seq.reproducible, parents=parents, slot=slot,
+                                    node_cost=self.node_cost))
 
     def replace_link(self, link: DrafterLink) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
