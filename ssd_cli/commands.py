@@ -325,8 +325,13 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise CliError(f"unknown --stage {args.stage!r}; choose one of {', '.join(STAGES)}")
     if args.steps is not None and args.steps <= 0:
         raise CliError(f"--steps must be > 0, got {args.steps}")
-    if (args.seed is not None or args.gen_dtype or args.data_scale) and not args.init:
-        raise CliError("--seed, --gen-dtype and --data-scale belong to the fine-tune recipe: give --init")
+    if (args.seed is not None or args.gen_dtype or args.data_scale or args.recipe) and not args.init:
+        raise CliError("--seed, --gen-dtype, --data-scale and --recipe belong to the fine-tune recipe: give --init")
+    from spec_core.training.train_draft import RECIPES
+
+    if args.recipe is not None and args.recipe not in RECIPES:
+        raise CliError(f"unknown --recipe {args.recipe!r}; choose one of {', '.join(RECIPES)}")
+    shard = _parse_shard(args.shard, args.stage)
     if args.data_scale is not None and args.data_scale <= 0:
         raise CliError(f"--data-scale must be > 0, got {args.data_scale}")
     target = args.target or default_pair()["target"]
@@ -351,10 +356,11 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
             base = DraftTrainConfig.finetune(args.init)
             cfg = replace(cfg, shape=base.shape, draft_vocab=base.draft_vocab, init_from=base.init_from,
-                          data=replace(cfg.data, stdlib_tokens=0, num_selfinstruct=4, code_ignore_eos=True))
+                          data=replace(cfg.data, stdlib_tokens=0, num_selfinstruct=4, code_ignore_eos=True,
+                                       num_prose_prompts=4 if args.recipe == "chat" else 0))
     else:
-        cfg = DraftTrainConfig.finetune(args.init, seed=args.seed, gen_dtype=args.gen_dtype,
-                                        scale=args.data_scale) if args.init else DraftTrainConfig()
+        cfg = DraftTrainConfig.finetune(args.init, seed=args.seed, gen_dtype=args.gen_dtype, scale=args.data_scale,
+                                        recipe=args.recipe or "mixed") if args.init else DraftTrainConfig()
     if args.steps is not None:
         from dataclasses import replace
 
@@ -362,10 +368,27 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     out, target_dir = Path(args.out), str(resolve_model(target))
     if args.stage == "eval":
         return _eval_draft(out, target_dir, cfg)
-    report = train_draft(out, target_dir, cfg, stage=args.stage)
+    report = train_draft(out, target_dir, cfg, stage=args.stage, shard=shard)
     if report:
         print_json({k: report[k] for k in ("steps", "params", "draft_vocab", "train_tokens", "heldout_gen")})
     return 0
+
+
+def _parse_shard(text: str | None, stage: str):
+    """``--shard I/N`` (only with ``--stage data-gen``) as a :class:`~spec_core.training.draft_data.Shard`."""
+    from spec_core.training.draft_data import Shard
+
+    if text is None:
+        return Shard()
+    if stage != "data-gen":
+        raise CliError("--shard splits --stage data-gen only")
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise CliError(f"--shard takes I/N (for example 0/2), got {text!r}") from None
+    if not 0 <= index < count:
+        raise CliError(f"--shard {text}: need 0 <= I < N")
+    return Shard(index, count)
 
 
 def _eval_draft(out: Path, target_dir: str, cfg) -> int:

@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, help="the data and training seed of the fine-tune recipe (fresh prompts)")
     td.add_argument("--gen-dtype", help="dtype of the teacher's self-generation (float32, bfloat16, auto)")
     td.add_argument("--data-scale", type=float, help="multiply the fine-tune recipe's prompt counts")
+    td.add_argument("--recipe", help="the fine-tune recipe's data mix: mixed (default; code, templated chat, the "
+                    "target's own questions) or chat (mostly everyday prose)")
+    td.add_argument("--shard", help="I/N: make only batches j with j %% N == I of --stage data-gen (run N "
+                    "processes on one --out, one per core)")
 
     from ssd_cli import service_commands
 

@@ -190,3 +190,82 @@ def test_init_continues_an_exported_draft(tmp_path, real_pair):
     bad = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--init", real_pair["target"],
                           "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not an exported draft" in bad.stderr
+
+
+#: words naming the topics of our chat eval set (spec_core/assets/chat_prompts.jsonl): the chat recipe's everyday
+#: requests must not touch them
+EVAL_TOPIC_WORDS = ("focus", "working from home", "weather", "climate", "teacher", "tomato", "sauce", "prime", "water", "sunset",
+                    "beach", "leaves", "autumn", "coffee", "camping", "rainbow", "limerick", "cat", "lungs",
+                    "handwriting", "arctic", "librarian", "tic-tac-toe", "exam", "boiling", "sun",
+                    "gravity", "guitar", "cinderella", "exercise", "brain")
+
+
+def test_prose_prompts_are_deterministic_and_avoid_the_eval_topics():
+    import re
+
+    from spec_core.prompts import chat_prompts
+    from spec_core.training.prose_prompts import TASKS, THINGS, build_prose_prompts
+
+    a = build_prose_prompts(500, seed=4)
+    assert a == build_prose_prompts(500, seed=4) != build_prose_prompts(500, seed=5)
+    assert len(set(a)) == 500
+    questions = {p.messages[-1][1] for p in chat_prompts()}
+    assert not questions & set(build_prose_prompts(10**6, seed=0))
+    words = re.compile(r"\b(" + "|".join(map(re.escape, EVAL_TOPIC_WORDS)) + r")s?\b", re.IGNORECASE)
+    assert all(words.search(q) for q in questions)  # the list names every eval question's topic
+    assert not [t for t in THINGS + TASKS if words.search(t)]
+
+
+def test_recipes_set_the_mix():
+    from spec_core.training.train_draft import RECIPES
+
+    draft = "spec_core/assets/models/smollm2-draft"
+    mixed = DraftTrainConfig.finetune(draft, seed=2, scale=2).data  # the third stage's recipe, unchanged
+    assert (mixed.num_code_prompts, mixed.num_chat_prompts, mixed.num_selfinstruct, mixed.num_prose_prompts) == (
+        2200, 2000, 2800, 0)
+    chat = DraftTrainConfig.finetune(draft, seed=4, scale=1.5, recipe="chat").data
+    assert chat.num_prose_prompts == round(1.5 * RECIPES["chat"]["num_prose_prompts"]) > chat.num_code_prompts
+
+
+def test_shard_and_recipe_flags_are_checked(tmp_path):
+    from spec_core.training.draft_data import Shard
+
+    assert [j for j in range(7) if Shard(1, 3).owns(j)] == [1, 4] and all(Shard().owns(j) for j in range(3))
+    for flags, msg in ((["--stage", "train", "--shard", "0/2"], "data-gen only"),
+                       (["--stage", "data-gen", "--shard", "2/2"], "0 <= I < N"),
+                       (["--stage", "data-gen", "--shard", "x"], "I/N"),
+                       (["--recipe", "chat"], "give --init"),
+                       (["--init", "spec_core/assets/models/smollm2-draft", "--recipe", "x"], "unknown --recipe")):
+        proc = subprocess.run([sys.executable, "-m", "ssd_cli", "train-draft", "--out", str(tmp_path), *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith("ssd: error:") and msg in proc.stderr, proc.stderr
+
+
+def test_sharded_generation_makes_every_batch_once(tmp_path, real_pair):
+    """Two ``--shard`` processes on one folder (the chat recipe, with everyday requests): the questions are joined
+    in order, and every batch is there once, holding its own prompts."""
+    from spec_core.models import load_tokenizer
+    from spec_core.training.corpus import load_corpus
+    from spec_core.training.draft_data import DataConfig, gen_jobs, load_shards
+    from spec_core.training.prose_prompts import build_prose_prompts
+
+    out = tmp_path / "sharded"
+    cmd = [sys.executable, "-m", "ssd_cli", "train-draft", "--smoke", "--init", real_pair["draft"], "--recipe", "chat",
+           "--out", str(out), "--threads", "1", "--stage", "data-gen", "--shard"]
+    procs = [subprocess.Popen([*cmd, f"{i}/2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-3000:]
+    cfg = DataConfig(**json.loads((out / "train_config.json").read_text())["data"])
+    questions = json.loads((out / "data" / "questions.json").read_text())
+    assert cfg.num_prose_prompts == 4 and len(questions) == cfg.num_selfinstruct
+    jobs = gen_jobs(load_tokenizer(real_pair["target"]), load_corpus(max_files=cfg.corpus_files), cfg, questions)
+    shards = load_shards(out / "data", "gen")
+    assert len(shards) == len(jobs) > 1
+    for shard, (prompts, *_rest) in zip(shards, jobs):
+        starts = list(shard["doc_starts"]) + [len(shard["tokens"])]
+        assert [shard["tokens"][a:a + len(p)].tolist() for a, p in zip(starts, prompts)] == prompts
+    tok = load_tokenizer(real_pair["target"])
+    text = "\n".join(tok.decode(s["tokens"]) for s in shards)
+    assert all(q in text for q in build_prose_prompts(cfg.num_prose_prompts, cfg.seed))

@@ -27,6 +27,8 @@ def _data_lines(report: dict, cfg) -> list[str]:
         "  docstrings, the language reference topics and a fixed topic list"
         + (f", plus {d.num_selfinstruct} questions the target wrote itself (its user turn sampled at T = "
            f"{d.question_temperature} after a seeded starter word, kept when complete)" if d.num_selfinstruct else "")
+        + (f", and {d.num_prose_prompts} everyday requests (a written list of things and tasks crossed with request "
+           "templates; the topics of our chat eval set left out)" if d.num_prose_prompts else "")
         + f" ({int(100 * (1 - d.sampled_fraction))}% greedy, the rest sampled at",
         f"  T = {d.gen_temperature}; up to {d.chat_max_new} tokens). Labels are the target's top-{d.top_k}",
         "  next-token distribution at every position."
@@ -91,8 +93,10 @@ def card_text(report: dict, cfg) -> str:
         "",
         "## Reproduce",
         "```bash",
-        *([f"ssd train-draft --out runs/NAME --init {cfg.init_from and Path(cfg.init_from).name} --threads 2  "
-           "# resumable; --stage train --steps N trains on the data so far"]
+        *([f"ssd train-draft --out runs/NAME --init {cfg.init_from and Path(cfg.init_from).name} --seed {cfg.seed} "
+           f"--gen-dtype {d.gen_dtype}{' --recipe chat' if d.num_prose_prompts else ''} --threads 2  "
+           "# resumable; --stage data-gen --shard I/N splits the teacher between processes; "
+           "--stage train --steps N trains on the data so far"]
           if cfg.init_from else ["ssd train-draft --out runs/smollm2-draft --threads 1   # rerun the same command to resume"]),
         "ssd train-draft --out runs/NAME [--init ...] --stage eval  # SD tokens per round and cost into report.json",
         "```",

@@ -40,6 +40,8 @@ class DataConfig:
     gen_temperature: float = 0.7
     #: chat prompts whose question the target itself writes (sampled at ``question_temperature``)
     num_selfinstruct: int = 0
+    #: everyday requests (:mod:`spec_core.training.prose_prompts`): the target's free prose
+    num_prose_prompts: int = 0
     question_temperature: float = 1.0
     question_max_new: int = 48
     #: code continuations go on past an EOS for their whole budget, as the HumanEval measure does (ignore_eos)
@@ -186,10 +188,36 @@ def question_prefix(tokenizer, starter: str) -> list[int]:
     return tokenizer(text[: text.index(mark)] + starter)["input_ids"]
 
 
-def self_instruct_questions(runner, tokenizer, eos_ids, cfg: DataConfig, data_dir: Path, progress) -> list[str]:
-    """``cfg.num_selfinstruct`` user questions written by the target (seeded; cached in ``questions.json``)."""
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This process's share of the generation: batches ``j`` with ``j % count == index`` (``--shard I/N``).
+
+    Shards write into the same folder; each batch's result is the same whichever process makes it, so any split
+    (and any resume) gives the same data.
+    """
+
+    index: int = 0
+    count: int = 1
+
+    def owns(self, j: int) -> bool:
+        return j % self.count == self.index
+
+
+#: the whole generation in one process
+ONE_PROCESS = Shard()
+
+
+def self_instruct_questions(runner, tokenizer, eos_ids, cfg: DataConfig, data_dir: Path, progress,
+                            shard: Shard = ONE_PROCESS, poll_s: float = 10.0) -> list[str]:
+    """``cfg.num_selfinstruct`` user questions written by the target (seeded; cached in ``questions.json``).
+
+    Each batch of questions is its own file (``questions-{batch}.json``), made by the shard that owns it; every
+    shard then waits for the others' batches and joins them in order.
+    """
     import json
+    import os
     import random
+    import time
 
     from spec_core.training.draft_prompts import QUESTION_STARTERS
 
@@ -198,32 +226,43 @@ def self_instruct_questions(runner, tokenizer, eos_ids, cfg: DataConfig, data_di
         return json.loads(path.read_text())
     rng = random.Random(cfg.seed)
     starters = [rng.choice(QUESTION_STARTERS) for _ in range(cfg.num_selfinstruct)]
-    out: list[str] = []
+    starts = range(0, len(starters), cfg.gen_batch)
+    part = lambda s: data_dir / f"questions-{s // cfg.gen_batch:05d}.json"  # noqa: E731
     bar = progress(total=len(starters), desc="teacher: questions", unit="q")
-    for s in range(0, len(starters), cfg.gen_batch):
+    for b, s in enumerate(starts):
         batch = starters[s:s + cfg.gen_batch]
-        prompts = [question_prefix(tokenizer, st) for st in batch]
-        docs, _, _ = generate_labeled(runner, prompts, cfg.question_max_new, cfg.question_temperature, eos_ids,
-                                      1, cfg.seed + 100_000 + s)
-        for st, p, d in zip(batch, prompts, docs):
-            text = (st + tokenizer.decode(d[len(p):], skip_special_tokens=True)).strip()
-            out.append(text)
+        if shard.owns(b) and not part(s).exists():
+            prompts = [question_prefix(tokenizer, st) for st in batch]
+            docs, _, _ = generate_labeled(runner, prompts, cfg.question_max_new, cfg.question_temperature, eos_ids,
+                                          1, cfg.seed + 100_000 + s)
+            texts = [(st + tokenizer.decode(d[len(p):], skip_special_tokens=True)).strip()
+                     for st, p, d in zip(batch, prompts, docs)]
+            tmp = part(s).with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(texts))
+            tmp.replace(part(s))
         bar.update(len(batch))
     bar.close()
-    path.write_text(json.dumps(out, indent=0) + "\n")
+    while not all(part(s).exists() for s in starts):  # another shard's batches
+        time.sleep(poll_s)
+    out = [q for s in starts for q in json.loads(part(s).read_text())]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(out, indent=0) + "\n")
+    tmp.replace(path)
     return out
 
 
 def gen_jobs(tokenizer, corpus, cfg: DataConfig, questions: list[str] = ()) -> list[tuple[list[list[int]], int, float, bool]]:
     """The generation batches: (prompt ids, max_new, temperature, stop at EOS), deterministic for the config."""
     from spec_core.training.draft_prompts import build_prompts, usable_question
+    from spec_core.training.prose_prompts import build_prose_prompts
 
     code, chats = build_prompts(corpus, cfg.num_code_prompts, cfg.num_chat_prompts, cfg.seed)
     chats += [[{"role": "user", "content": q}] for q in questions if usable_question(q)]
+    chats += [[{"role": "user", "content": q}] for q in build_prose_prompts(cfg.num_prose_prompts, cfg.seed)]
     code_ids = [tokenizer(c)["input_ids"][-384:] for c in code]
     chat_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
                 ["input_ids"][-384:] for m in chats]
-    if questions:  # mix the target's own questions into both the greedy and the sampled share
+    if questions or cfg.num_prose_prompts:  # mix every kind into both the greedy and the sampled share
         chat_ids = [chat_ids[i] for i in np.random.default_rng(cfg.seed).permutation(len(chat_ids))]
     n_sampled = int(len(chat_ids) * cfg.sampled_fraction)
     jobs = []
@@ -238,14 +277,15 @@ def gen_jobs(tokenizer, corpus, cfg: DataConfig, questions: list[str] = ()) -> l
     return [jobs[j] for j in order]
 
 
-def make_gen_data(runner, tokenizer, corpus, eos_ids, cfg: DataConfig, data_dir: Path, progress) -> None:
-    questions = self_instruct_questions(runner, tokenizer, eos_ids, cfg, data_dir, progress) \
+def make_gen_data(runner, tokenizer, corpus, eos_ids, cfg: DataConfig, data_dir: Path, progress,
+                  shard: Shard = ONE_PROCESS) -> None:
+    questions = self_instruct_questions(runner, tokenizer, eos_ids, cfg, data_dir, progress, shard) \
         if cfg.num_selfinstruct else []
     jobs = gen_jobs(tokenizer, corpus, cfg, questions)
     bar = progress(total=len(jobs), desc="teacher: self-generated", unit="batch")
     for j, (prompts, max_new, temp, stop) in enumerate(jobs):
         path = data_dir / f"gen-{j:05d}.npz"
-        if not path.exists():
+        if shard.owns(j) and not path.exists():
             docs, ids, logp = generate_labeled(runner, prompts, max_new, temp, eos_ids if stop else (), cfg.top_k,
                                                cfg.seed + j)
             save_shard(path, docs, ids, logp)

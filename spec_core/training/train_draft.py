@@ -23,11 +23,17 @@ from pathlib import Path
 
 import torch
 
-from spec_core.training.draft_data import DataConfig
+from spec_core.training.draft_data import ONE_PROCESS, DataConfig, Shard
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("data-stdlib", "data-gen", "vocab", "train", "export", "all", "eval")
+#: the fine-tune recipes' prompt counts (before ``--data-scale``): code continuations, templated chat,
+#: questions the target writes itself, everyday requests (prose)
+RECIPES = {
+    "mixed": dict(num_code_prompts=1100, num_chat_prompts=1000, num_selfinstruct=1400, num_prose_prompts=0),
+    "chat": dict(num_code_prompts=900, num_chat_prompts=800, num_selfinstruct=1600, num_prose_prompts=2400),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +73,14 @@ class DraftTrainConfig:
 
     @staticmethod
     def finetune(init_from: str, seed: int | None = None, gen_dtype: str | None = None,
-                 scale: float | None = None) -> DraftTrainConfig:
+                 scale: float | None = None, recipe: str = "mixed") -> DraftTrainConfig:
         """Continue an exported draft on fresh self-generated data only (no stdlib pass), at a lower rate.
 
         The data is the target's greedy (and some sampled) answers to templated and self-written questions,
         and its code continuations run past EOS as the HumanEval measure does. Shape and vocabulary come
         from ``init_from``. ``seed`` draws other prompts, ``scale`` multiplies their counts and ``gen_dtype``
-        sets the teacher's dtype (the defaults reproduce the shipped recipe).
+        sets the teacher's dtype. ``recipe`` picks the mix (:data:`RECIPES`): ``chat`` leans on everyday prose,
+        where the draft is weakest; ``mixed`` with the other defaults reproduces the third stage's recipe.
         """
         c = json.loads((Path(init_from) / "config.json").read_text())
         shape = StudentShape(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
@@ -82,9 +89,9 @@ class DraftTrainConfig:
         vocab = len(json.loads((Path(init_from) / "token_map.json").read_text()))
         seed = 1 if seed is None else seed
         n = lambda count: max(1, round(count * (scale or 1.0)))  # noqa: E731
-        data = replace(DataConfig(), stdlib_tokens=0, num_code_prompts=n(1100), num_chat_prompts=n(1000),
-                       num_selfinstruct=n(1400), sampled_fraction=0.25, code_ignore_eos=True, gen_batch=48,
-                       seed=seed, gen_dtype=gen_dtype or DataConfig.gen_dtype)
+        counts = {k: n(v) if v else 0 for k, v in RECIPES[recipe].items()}
+        data = replace(DataConfig(), stdlib_tokens=0, **counts, sampled_fraction=0.25, code_ignore_eos=True,
+                       gen_batch=48, seed=seed, gen_dtype=gen_dtype or DataConfig.gen_dtype)
         train = replace(TrainConfig(), steps=500, lr=6e-4, min_lr=3e-5, warmup=20, ckpt_every=25)
         return DraftTrainConfig(data=data, shape=shape, train=train, draft_vocab=vocab, seed=seed,
                                 init_from=str(Path(init_from).resolve()))
@@ -109,7 +116,8 @@ def _teacher(target_path: str, dtype: str):
     return ModelRunner(target_path, dtype=parse_dtype(dtype)), load_tokenizer(target_path)
 
 
-def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, progress) -> None:
+def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, progress,
+             shard: Shard = ONE_PROCESS) -> None:
     from spec_core.models import eos_token_ids
     from spec_core.training.corpus import load_corpus
     from spec_core.training.draft_data import make_gen_data, make_stdlib_data
@@ -123,7 +131,8 @@ def run_data(out: Path, target_path: str, cfg: DraftTrainConfig, source: str, pr
     if source == "stdlib":
         make_stdlib_data(runner, tokenizer, corpus, cfg.data, data_dir, progress)
     else:
-        make_gen_data(runner, tokenizer, corpus, eos_token_ids(runner, tokenizer), cfg.data, data_dir, progress)
+        make_gen_data(runner, tokenizer, corpus, eos_token_ids(runner, tokenizer), cfg.data, data_dir, progress,
+                      shard)
 
 
 def save_config(out: Path, cfg: DraftTrainConfig, target_path: str) -> None:
@@ -137,8 +146,12 @@ def save_config(out: Path, cfg: DraftTrainConfig, target_path: str) -> None:
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def train_draft(out: Path, target_path: str, cfg: DraftTrainConfig, stage: str = "all", progress=None) -> dict:
-    """Run ``stage`` (or every stage not yet done) and return the report (empty until ``export``)."""
+def train_draft(out: Path, target_path: str, cfg: DraftTrainConfig, stage: str = "all", progress=None,
+                shard: Shard = ONE_PROCESS) -> dict:
+    """Run ``stage`` (or every stage not yet done) and return the report (empty until ``export``).
+
+    ``shard`` splits ``data-gen`` between processes that share ``out`` (one per core).
+    """
     from tqdm import tqdm
 
     progress = progress or tqdm
@@ -147,7 +160,7 @@ def train_draft(out: Path, target_path: str, cfg: DraftTrainConfig, stage: str =
     if stage in ("data-stdlib", "all"):
         run_data(out, target_path, cfg, "stdlib", progress)
     if stage in ("data-gen", "all"):
-        run_data(out, target_path, cfg, "gen", progress)
+        run_data(out, target_path, cfg, "gen", progress, shard)
     if stage in ("vocab", "train", "export", "all"):
         from spec_core.training.student import build_token_map, export_draft, train_student
 
