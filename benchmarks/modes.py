@@ -31,8 +31,8 @@ TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate
 #: The peer, AR through llama-cpp-python on the target's GGUF (an optional extra), on 1 and on 2 threads.
 LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
 
-#: Modes that also run at concurrency > 1 (through the continuous-batching engine).
-BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service")
+#: Modes that also run at concurrency > 1 (through the continuous-batching engine; ar-2t and sd-2t on both cores).
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service", "ar-2t", "sd-2t")
 #: The local two-process SSD modes: ``ssd`` with its candidate tree per outcome (``--tree``), ``ssd-chain`` with
 #: one chain per outcome (the paper's SSD), on the same K and budget.
 LOCAL_SSD_MODES = ("ssd", "ssd-chain")
@@ -153,8 +153,10 @@ class ModeRunner:
             with self.unpinned():
                 return self.service.run_concurrent(prompts, params, c)
         ids = [self.gen.encode(p) for p in prompts]
-        k = self.sd_k if mode == "sd" else self.k
-        return run_concurrent(self.gen.pair, mode, ids, params, k, c, self.local_ssds.get(mode))
+        base = TWO_THREAD_MODES.get(mode, mode)
+        k = self.sd_k if base == "sd" else self.k
+        with self.two_threads() if mode in TWO_THREAD_MODES else contextlib.nullcontext():
+            return run_concurrent(self.gen.pair, base, ids, params, k, c, self.local_ssds.get(mode))
 
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         if mode in TWO_THREAD_MODES:
@@ -179,20 +181,24 @@ class ModeRunner:
             return self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
         return self._hf(mode, prompt, params)
 
-    def _two_threads(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
-        """Run ``mode`` with torch on 2 threads over every core this process may use (equal hardware)."""
+    @contextlib.contextmanager
+    def two_threads(self):
+        """Torch on 2 threads over every core this process may use (equal hardware with SSD's two processes)."""
         pinned = os.sched_getaffinity(0) if self.all_cores is not None else None
         try:
             if self.all_cores is not None:
                 os.sched_setaffinity(0, self.all_cores)
             torch.set_num_threads(2)
-            res = (self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
-                   if mode not in self.hf else self._hf(mode, prompt, params))
+            yield
         finally:
             torch.set_num_threads(self.threads)
             if pinned is not None:
                 os.sched_setaffinity(0, pinned)
-        return res
+
+    def _two_threads(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
+        with self.two_threads():
+            return (self.gen.generate(prompt, params, mode=mode, k=self.sd_k if mode == "sd" else None)
+                    if mode not in self.hf else self._hf(mode, prompt, params))
 
     def _llama_cpp(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         """The peer on 1 thread (pinned as our target is) or on 2 (every core this process may use)."""

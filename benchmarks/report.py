@@ -168,7 +168,8 @@ def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference:
         "acceptance_by_position": None,
         "cache_hit_rate": mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
         "verifier_idle_fraction": None, "link_bytes_per_round": None,
-        "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if mode != "ar" else "")
+        "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if not is_ar(mode) else "")
+                     + (", 2 threads on both cores" if mode in TWO_THREAD_MODES else "")
                      + (f", {c} streaming gRPC clients" if mode == "ssd-service" else "")),
         "mean_batch_k": mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
         "backoff_step_fraction": mean([r["backoff_step_fraction"] for r in runs

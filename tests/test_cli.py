@@ -94,7 +94,7 @@ def test_bench_quick_schema(tmp_path, toy_pair):
     """The report's schema and plots (on the toy pair, for time; the real pair's bench: test_dtype_and_costs)."""
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
-    proc = ssd("bench", "--quick", "--modes", "ar,sd", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots),
+    proc = ssd("bench", "--quick", "--modes", "ar,sd,ar-2t", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots),
                "--dtype", "float32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -108,7 +108,9 @@ def test_bench_quick_schema(tmp_path, toy_pair):
         assert row["matches_target_greedy"] is True
         assert row["runtime"] == "verifier-engine"  # AR and SD at every concurrency: the one engine
         modes.add((row["mode"], row["concurrency"]))
-    assert modes == {("ar", 1), ("sd", 1), ("ar", 2), ("sd", 2)}
+        if row["mode"] == "ar-2t" and row["concurrency"] > 1:  # equal hardware at every concurrency
+            assert "2 threads on both cores" in row["batching"]
+    assert modes == {(m, c) for m in ("ar", "sd", "ar-2t") for c in (1, 2)}
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_and_hits.png", "tokens_per_s_T0.png"]
 
 
