@@ -103,7 +103,7 @@ class ModeRunner:
             tree = TreeShape.parse(settings.tree if mode == "ssd" else "chain")
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
                                 saguaro_c=settings.saguaro_c, tree=tree)
-            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg,
+            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype,
                                                                           adaptive_k=settings.adaptive_k),
                                              eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")

@@ -20,8 +20,8 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
 
     pair = default_pair()
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
-    draft = (ModelConfig(args.draft or pair["draft"], dtype=draft_dtype(args.dtype), device=args.device)
-             if need_draft else None)
+    draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None) or draft_dtype(args.dtype),
+                         device=args.device) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
             check_model_dir(cfg.path)

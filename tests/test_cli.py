@@ -95,10 +95,12 @@ def test_bench_quick_schema(tmp_path, toy_pair):
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
     proc = ssd("bench", "--quick", "--modes", "ar,sd,ar-2t", "--concurrency", "1,2", "--out", str(out), "--plots", str(plots),
-               "--dtype", "float32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
+               "--dtype", "float32", "--draft-dtype", "bfloat16", "--target", toy_pair["target"], "--draft",
+               toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert set(report) >= {"hardware", "settings", "results"}
+    assert report["settings"]["draft_dtype"] == "bfloat16"  # a bf16 draft; the fp32 output below stays exact
     required = {"mode", "runtime", "concurrency", "temperature", "tokens_per_s", "ttft_s_p50", "itl_s_p50", "itl_s_p99",
                 "mean_tokens_per_round", "acceptance_rate", "cache_hit_rate", "matches_target_greedy"}
     modes = set()
