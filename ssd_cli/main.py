@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
-    from ssd_cli import commands, service_commands
+    from ssd_cli import commands, service_commands, train_commands
 
     return {
         "serve": service_commands.cmd_serve,
@@ -179,8 +179,8 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
         "bench": commands.cmd_bench,
         "bench-verifier": commands.cmd_bench_verifier,
         "bench-costs": commands.cmd_bench_costs,
-        "train-pair": commands.cmd_train_pair,
-        "train-draft": commands.cmd_train_draft,
+        "train-pair": train_commands.cmd_train_pair,
+        "train-draft": train_commands.cmd_train_draft,
         "install-models": commands.cmd_install_models,
     }
 

@@ -43,6 +43,18 @@ def _data_lines(report: dict, cfg) -> list[str]:
     return lines
 
 
+def _reproduce_lines(cfg) -> list[str]:
+    d = cfg.data
+    first = ([f"ssd train-draft --out runs/NAME --init {cfg.init_from and Path(cfg.init_from).name} --seed {cfg.seed} "
+              f"--gen-dtype {d.gen_dtype}{' --recipe chat' if d.num_prose_prompts else ''} --threads 2  "
+              "# resumable; --stage data-gen --shard I/N splits the teacher between processes; "
+              "--stage train --steps N trains on the data so far"]
+             if cfg.init_from else ["ssd train-draft --out runs/smollm2-draft --threads 1   # rerun the same command to resume"])
+    return ["## Reproduce", "```bash", *first,
+            "ssd train-draft --out runs/NAME [--init ...] --stage eval  # SD tokens per round and cost into report.json",
+            "```", "", "Configuration: " + ", ".join(f"{k}={v}" for k, v in asdict(cfg.shape).items()) + ".", ""]
+
+
 def card_text(report: dict, cfg) -> str:
     s, d, t = cfg.shape, cfg.data, cfg.train
     log = report.get("train_log", [])
@@ -85,25 +97,10 @@ def card_text(report: dict, cfg) -> str:
             f"{_fmt((cost.get('draft_t1_s') or 0) * 1e3, 2)} ms vs {_fmt((cost.get('target_t1_s') or 0) * 1e3, 2)} ms) |",
         ]
     lines += ["", *_data_lines(report, cfg)]
-    lines += [
-        "",
-        "## Limits",
-        "The held-out generated documents come from the same prompt templates as the training ones, so their",
-        "agreement is optimistic: the SD rows above, on prompts of other kinds, are the measure that matters.",
-        "",
-        "## Reproduce",
-        "```bash",
-        *([f"ssd train-draft --out runs/NAME --init {cfg.init_from and Path(cfg.init_from).name} --seed {cfg.seed} "
-           f"--gen-dtype {d.gen_dtype}{' --recipe chat' if d.num_prose_prompts else ''} --threads 2  "
-           "# resumable; --stage data-gen --shard I/N splits the teacher between processes; "
-           "--stage train --steps N trains on the data so far"]
-          if cfg.init_from else ["ssd train-draft --out runs/smollm2-draft --threads 1   # rerun the same command to resume"]),
-        "ssd train-draft --out runs/NAME [--init ...] --stage eval  # SD tokens per round and cost into report.json",
-        "```",
-        "",
-        "Configuration: " + ", ".join(f"{k}={v}" for k, v in asdict(cfg.shape).items()) + ".",
-        "",
-    ]
+    lines += ["", "## Limits",
+              "The held-out generated documents come from the same prompt templates as the training ones, so their",
+              "agreement is optimistic: the SD rows above, on prompts of other kinds, are the measure that matters.",
+              "", *_reproduce_lines(cfg)]
     return "\n".join(lines)
 
 
