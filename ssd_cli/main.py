@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "from measured costs, as ssd serve does)")
     b.add_argument("--seeded", action="store_true",
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
-    b.add_argument("--prompt-set", choices=["humaneval", "chat"], default="humaneval",
-                   help="HumanEval prompts (default) or our own chat questions through the chat template")
+    b.add_argument("--prompt-set", choices=["humaneval", "chat", "ood"], default="humaneval",
+                   help="HumanEval prompts (default), our own chat questions, or ood: requests far from the "
+                        "draft's training text (non-English, archaic English); chat sets use the chat template")
     b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: auto, chain, WIDTHxLEVELS or W1,W2,... "
                    "(default: the service's, auto); ssd-chain always drafts chains")
     b.add_argument("--sweep", help="k,budget,c,tree: find the best K (1-8, SD and SSD), budget, Saguaro C and "
