@@ -30,6 +30,8 @@ drafter that idled has nothing pre-drafted yet) below ``min_gain`` sends the who
 ``hold`` steps, doubling on each failed window up to ``max_hold``; then it speculates again and re-measures. So
 wherever the estimates are wrong (a prior that flatters acceptance, costs outside the step), the batch still runs
 no slower than plain decoding by more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
+The back-off's state is kept per range of batch sizes (:func:`batch_bucket`): speculation that loses at 16 in
+flight may pay at 1, so a hold learned under load does not stop a lone request from speculating, nor the reverse.
 """
 
 from __future__ import annotations
@@ -74,6 +76,22 @@ class LinearCost:
         return None if c is None else c[0] + c[1] * n
 
 
+def batch_bucket(b: int) -> int:
+    """Batch sizes that share one back-off state: 1, 2-3, 4-7, 8-15, 16-31, ..."""
+    return max(1, b).bit_length()
+
+
+@dataclass(slots=True)
+class Backoff:
+    """The measured back-off for one range of batch sizes: the current window's goodput, its step count, the
+    steps left in a hold, and the last hold's length (which doubles after each failed window)."""
+
+    gain: float | None = None
+    window_steps: int = 0
+    hold_left: int = 0
+    next_hold: int = 0
+
+
 @dataclass(slots=True)
 class AdaptiveK:
     k_max: int
@@ -94,10 +112,7 @@ class AdaptiveK:
     min_gain: float = 1.0
     hold: int = 48
     max_hold: int = 512
-    gain: float | None = None
-    window_steps: int = 0
-    hold_left: int = 0
-    next_hold: int = 0
+    backoff_by_bucket: dict[int, Backoff] = field(default_factory=dict)
     backoffs: int = 0
     backoff_steps: int = 0
     #: Measured plain decode steps: seconds by batch size (exponentially weighted), and measured / fitted.
@@ -108,6 +123,10 @@ class AdaptiveK:
         if self.cost is None:
             self.cost = LinearCost()
         self.batch_k = self.k_max
+
+    def backoff(self, b: int) -> Backoff:
+        """The back-off state for steps of ``b`` requests (:func:`batch_bucket`)."""
+        return self.backoff_by_bucket.setdefault(batch_bucket(b), Backoff())
 
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
         return (num_accepted + self.prior_a * self.prior_weight) / (num_drafted + self.prior_weight)
@@ -137,34 +156,37 @@ class AdaptiveK:
         self.cost.observe(tokens, seconds)
         if tokens <= batch:
             self._observe_plain(batch, seconds)
-        if tokens <= batch or self.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
+        st = self.backoff(batch)
+        if tokens <= batch or st.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
             return
-        self.window_steps += 1
+        st.window_steps += 1
         t_b = self.plain_time(batch)
-        if self.window_steps <= self.warmup or t_b is None or seconds <= 0:
+        if st.window_steps <= self.warmup or t_b is None or seconds <= 0:
             return
         g = emitted / batch * t_b / seconds
-        self.gain = g if self.gain is None else 0.7 * self.gain + 0.3 * g
-        if self.window_steps < self.probe_window:
+        st.gain = g if st.gain is None else 0.7 * st.gain + 0.3 * g
+        if st.window_steps < self.probe_window:
             return
-        if self.gain < self.min_gain:
-            self.hold_left = self.next_hold = min(max(self.hold, 2 * self.next_hold), self.max_hold)
+        if st.gain < self.min_gain:
+            st.hold_left = st.next_hold = min(max(self.hold, 2 * st.next_hold), self.max_hold)
             self.backoffs += 1
-            logger.info("speculation measured at %.2fx plain decoding: plain for %d steps", self.gain, self.hold_left)
-        elif self.window_steps == self.probe_window:
-            self.next_hold = 0  # a window that paid: the next back-off starts from the shortest hold
+            logger.info("speculation measured at %.2fx plain decoding at batch %d: plain for %d steps", st.gain, batch,
+                        st.hold_left)
+        elif st.window_steps == self.probe_window:
+            st.next_hold = 0  # a window that paid: the next back-off starts from the shortest hold
 
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
         b = max(1, len(accept))
         self.steps += 1
-        held = bool(self.hold_left and self.k_max)
+        st = self.backoff(b)
+        held = bool(st.hold_left and self.k_max)
         if held:  # the measured back-off holds the batch plain
-            self.hold_left -= 1
+            st.hold_left -= 1
             self.backoff_steps += 1
             self.batch_k = 0
-            if not self.hold_left:  # speculate again, and measure it afresh
-                self.window_steps, self.gain = 0, None
+            if not st.hold_left:  # speculate again, and measure it afresh
+                st.window_steps, st.gain = 0, None
         v = self._v(b)
         # A plain step: T(b) measured, not extrapolated. With no cost data yet, the first steps are a plain one and
         # then K = 1 until the fit spans two step sizes: at batch 16 a cold K = k_max step cost 2.5-3x a plain one
