@@ -13,6 +13,7 @@ import time
 from spec_core.config import SamplingParams
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
+from verifier_service.adaptive import AdaptiveK
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
 
@@ -33,12 +34,13 @@ def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=Non
 
 
 def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params: list[SamplingParams], k: int,
-                   concurrency: int, local_ssd=None, adaptive: bool = True) -> dict:
-    """``adaptive``: sd/ssd choose K per step from measured costs (down to 0), as the service does."""
-    from verifier_service.adaptive import AdaptiveK
-
+                   concurrency: int, local_ssd=None, planner: AdaptiveK | None = None) -> dict:
+    """``planner``: sd/ssd choose K per step from measured costs (down to 0), as the service does. The caller keeps
+    one planner per mode across runs, as ``ssd serve`` keeps one for its engine's life, so the back-off learned in
+    one pass carries to the next; the engine's own planner is put back afterwards."""
     engine = _engine(pair, mode, k, concurrency, local_ssd)
-    engine.adaptive = AdaptiveK(k_max=k) if adaptive and mode != "ar" else None
+    own, engine.adaptive = engine.adaptive, (planner if mode != "ar" else None)
+    held_before = planner.backoff_steps if planner is not None else 0
     ks: list[int] = []
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -52,7 +54,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         if engine.adaptive is not None:
             ks.append(engine.adaptive.batch_k)
     wall = time.perf_counter() - t0
-    planner, engine.adaptive = engine.adaptive, None
+    planner, engine.adaptive = engine.adaptive, own
     m = engine.metrics.stats.since(before_stats)
     total = sum(len(s.output_ids) for s in seqs)
     out = {
@@ -66,7 +68,8 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         "cache_hit_rate": None,
         "mean_batch_k": sum(ks) / len(ks) if ks else None,
         # steps the measured back-off held the batch at plain decoding (speculation measured slower than plain)
-        "backoff_step_fraction": planner.backoff_steps / len(ks) if planner is not None and ks else None,
+        "backoff_step_fraction": (planner.backoff_steps - held_before) / len(ks) if planner is not None and ks
+        else None,
     }
     if before is not None:
         after = _ssd_counters(local_ssd)

@@ -108,6 +108,7 @@ class ModeRunner:
                                              eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
+        self.planners: dict[str, object] = {}
 
     def close(self) -> None:
         for local in self.local_ssds.values():
@@ -156,7 +157,21 @@ class ModeRunner:
         base = TWO_THREAD_MODES.get(mode, mode)
         k = self.sd_k if base == "sd" else self.k
         with self.two_threads() if mode in TWO_THREAD_MODES else contextlib.nullcontext():
-            return run_concurrent(self.gen.pair, base, ids, params, k, c, self.local_ssds.get(mode))
+            return run_concurrent(self.gen.pair, base, ids, params, k, c, self.local_ssds.get(mode), self.planner(mode))
+
+    def planner(self, mode: str):
+        """The mode's one adaptive-K planner for the whole bench (``ssd serve`` keeps one per engine): a local SSD
+        mode's own engine planner where it has one, else one made on first use; None for plain AR."""
+        if TWO_THREAD_MODES.get(mode, mode) == "ar":
+            return None
+        if mode not in self.planners:
+            from verifier_service.adaptive import AdaptiveK
+
+            local = self.local_ssds.get(mode)
+            own = local.engine.adaptive if local is not None else None
+            base = TWO_THREAD_MODES.get(mode, mode)
+            self.planners[mode] = own or AdaptiveK(k_max=self.sd_k if base == "sd" else self.k)
+        return self.planners[mode]
 
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         if mode in TWO_THREAD_MODES:

@@ -73,7 +73,7 @@ def test_measured_backoff_stops_speculation_that_loses() -> None:
     ks = _run_steps(planner, 200, b=16, spec_s=0.14, plain_s=0.1, emitted=19)
     assert planner.backoffs >= 2 and planner.backoff_steps > 150
     assert sum(k > 0 for k in ks) < 40  # probing windows only, and the holds grow
-    assert planner.next_hold > planner.hold
+    assert planner.backoff(16).next_hold > planner.hold
     # The same model where speculation really pays (2x the tokens for 1.3x the time) never backs off.
     paying = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
     ks = _run_steps(paying, 200, b=16, spec_s=0.13, plain_s=0.1, emitted=32)
@@ -83,9 +83,25 @@ def test_measured_backoff_stops_speculation_that_loses() -> None:
 def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
     _run_steps(planner, 20, b=16, spec_s=0.14, plain_s=0.1, emitted=17)
-    assert planner.backoffs == 1 and planner.hold_left > 0
-    ks = _run_steps(planner, planner.hold_left + 40, b=16, spec_s=0.12, plain_s=0.1, emitted=30)
-    assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.next_hold == 0
+    assert planner.backoffs == 1 and planner.backoff(16).hold_left > 0
+    ks = _run_steps(planner, planner.backoff(16).hold_left + 40, b=16, spec_s=0.12, plain_s=0.1, emitted=30)
+    assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.backoff(16).next_hold == 0
+
+
+
+def test_backoff_is_kept_per_batch_size_range() -> None:
+    """A hold learned at 16 in flight does not stop a lone request from speculating, and the hold at 16 stays."""
+    from verifier_service.adaptive import batch_bucket
+
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 2, 2, 3, 3, 4, 4, 5, 5]
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
+    _run_steps(planner, 20, b=16, spec_s=0.14, plain_s=0.1, emitted=17)  # loses at 16: held
+    held = planner.backoff(16).hold_left
+    assert planner.backoffs == 1 and held > 0 and planner.backoff(1).hold_left == 0
+    ks = _run_steps(planner, 30, b=1, spec_s=0.02, plain_s=0.015, emitted=3)  # pays at 1: 3 tokens for 1.33x
+    assert planner.backoffs == 1 and sum(k > 0 for k in ks) >= 25
+    assert planner.backoff(16).hold_left == held  # batch-1 steps do not spend the hold at 16
+    assert _run_steps(planner, 5, b=16, spec_s=0.14, plain_s=0.1, emitted=17) == [0] * 5
 
 
 def _run_concave(planner: AdaptiveK, steps: int, emitted: int) -> int:
@@ -207,3 +223,26 @@ def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
         drafted = sum(s.stats.num_drafted for s in seqs)
         accepted = sum(s.stats.num_accepted for s in seqs)
         assert drafted >= 12 and accepted == drafted, (accepted, drafted)
+
+
+def test_bench_concurrent_runs_keep_one_planner_and_restore_the_engines(tiny_models) -> None:
+    """``ssd bench`` at concurrency > 1 drives the mode's one planner across its runs (as ``ssd serve`` keeps one
+    for its engine's life) and puts the local SSD engine's own planner back, so later batch-1 runs stay adaptive."""
+    from benchmarks.concurrent import run_concurrent
+    from spec_core.models import LoadedPair
+
+    target = ModelRunner(tiny_models["llama"])
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    refs = _ar_outputs(target, prompts, 16)
+    pair = LoadedPair(target, None, tokenizer=None, eos_ids=())
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 2
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
+                         max_num_seqs=2, adaptive_k=True)
+    with LocalSSD(target, cfg) as ssd:
+        own, planner = ssd.engine.adaptive, AdaptiveK(k_max=3)
+        first = run_concurrent(pair, "ssd", prompts, params, 3, 2, ssd, planner)
+        steps = planner.steps
+        second = run_concurrent(pair, "ssd", prompts, params, 3, 2, ssd, planner)
+        assert ssd.engine.adaptive is own and own.steps == 0
+        assert steps > 0 and planner.steps > steps  # one planner, carried from the first run to the second
+        assert first["outputs"] == second["outputs"] == refs
