@@ -104,6 +104,18 @@ def test_backoff_is_kept_per_batch_size_range() -> None:
     assert _run_steps(planner, 5, b=16, spec_s=0.14, plain_s=0.1, emitted=17) == [0] * 5
 
 
+
+def test_no_per_request_reprobes_where_the_guard_measured_a_loss() -> None:
+    """Per-request re-probes (K = 1 every ``probe_every`` rounds for a request planned at 0) stop at a batch size
+    where the back-off has measured speculation losing; the guard's own windows re-measure it there."""
+    planner = AdaptiveK(k_max=5, cost=FixedCost(0.001, 0.01))  # speculation does not pay: batch K = 0
+    hard = {f"r{i}": (10, 100, 32) for i in range(16)}  # round 32: a re-probe round
+    assert set(planner.plan(hard).values()) == {1}
+    planner.backoff(16).next_hold = planner.hold  # as after a failed window at 16 in flight
+    assert set(planner.plan(hard).values()) == {0}
+    assert planner.plan({"r0": (10, 100, 32)}) == {"r0": 1}  # batch 1 has measured nothing: it still re-probes
+
+
 def _run_concave(planner: AdaptiveK, steps: int, emitted: int) -> int:
     """Batch 16 with the measured shape of a bf16 step: plain steps (16 tokens) take 0.11 s, speculating steps of
     any size (25-58 tokens) about 0.2 s. Returns the speculating steps."""

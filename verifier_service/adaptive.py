@@ -9,7 +9,8 @@ SD drafter; SSD's waits and bundle handling), ``c`` is 0 by default; a caller th
 set it. Fitting the forward alone ignored per-token costs outside it, which on small models are most of a step,
 and kept K too high at concurrency 16. Acceptance ``a`` is
 estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. K = 0 means plain
-decoding for that request; it re-probes speculation every ``probe_every`` rounds so a request whose text turns
+decoding for that request; it re-probes speculation every ``probe_every`` rounds (unless the back-off below has
+measured speculation losing at this batch size) so a request whose text turns
 predictable gets K back. The other way round, while the batch speculates, every ``probe_plain_every``-th step is a
 plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-token steps, cannot tell the fixed
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
@@ -203,11 +204,15 @@ class AdaptiveK:
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
         mean_a = sum(rates.values()) / len(rates) if rates else self.prior_a
         self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
+        # Once the guard has measured speculation losing at this batch size (and no window has paid since), its
+        # own windows re-measure it; per-request re-probes would only add speculating steps (at batch 16 the
+        # requests re-probe in step with each other, a K = 1 step for all every ``probe_every`` rounds).
+        reprobe = not st.next_hold
         out = {}
         for rid, a in rates.items():
             k = best_k(min(a, 1.0), self.draft_cost, v, self.batch_k) if self.batch_k else 0
             rounds = accept[rid][2]
-            if k == 0 and self.k_max and rounds % self.probe_every == 0:
+            if k == 0 and self.k_max and reprobe and rounds % self.probe_every == 0:
                 k = 1  # re-probe: acceptance estimates need drafted tokens to move
             out[rid] = k
             self.plain_rounds += int(k == 0)
