@@ -157,20 +157,17 @@ class ModeRunner:
         base = TWO_THREAD_MODES.get(mode, mode)
         k = self.sd_k if base == "sd" else self.k
         with self.two_threads() if mode in TWO_THREAD_MODES else contextlib.nullcontext():
-            return run_concurrent(self.gen.pair, base, ids, params, k, c, self.local_ssds.get(mode), self.planner(mode))
+            planner = self._planner(mode, k) if base != "ar" else None
+            return run_concurrent(self.gen.pair, base, ids, params, k, c, self.local_ssds.get(mode), planner)
 
-    def planner(self, mode: str):
+    def _planner(self, mode: str, k: int):
         """The mode's one adaptive-K planner for the whole bench (``ssd serve`` keeps one per engine): a local SSD
-        mode's own engine planner where it has one, else one made on first use; None for plain AR."""
-        if TWO_THREAD_MODES.get(mode, mode) == "ar":
-            return None
+        mode's own engine planner where it has one, else one made on first use."""
         if mode not in self.planners:
             from verifier_service.adaptive import AdaptiveK
 
             local = self.local_ssds.get(mode)
-            own = local.engine.adaptive if local is not None else None
-            base = TWO_THREAD_MODES.get(mode, mode)
-            self.planners[mode] = own or AdaptiveK(k_max=self.sd_k if base == "sd" else self.k)
+            self.planners[mode] = (local.engine.adaptive if local is not None else None) or AdaptiveK(k_max=k)
         return self.planners[mode]
 
     def run(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:

@@ -12,6 +12,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from spec_core.prompts import CHAT_SETS  # stdlib-only: the CLI's choices, before torch
+
 logger = logging.getLogger("ssd")
 
 
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from measured costs, as ssd serve does)")
     b.add_argument("--seeded", action="store_true",
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
-    b.add_argument("--prompt-set", choices=["humaneval", "chat", "ood"], default="humaneval",
+    b.add_argument("--prompt-set", choices=["humaneval", *CHAT_SETS], default="humaneval",
                    help="HumanEval prompts (default), our own chat questions, or ood: requests far from the "
                         "draft's training text (non-English, archaic English); chat sets use the chat template")
     b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: auto, chain, WIDTHxLEVELS or W1,W2,... "

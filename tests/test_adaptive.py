@@ -88,7 +88,6 @@ def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.backoff(16).next_hold == 0
 
 
-
 def test_backoff_is_kept_per_batch_size_range() -> None:
     """A hold learned at 16 in flight does not stop a lone request from speculating, and the hold at 16 stays."""
     from verifier_service.adaptive import batch_bucket
@@ -102,7 +101,6 @@ def test_backoff_is_kept_per_batch_size_range() -> None:
     assert planner.backoffs == 1 and sum(k > 0 for k in ks) >= 25
     assert planner.backoff(16).hold_left == held  # batch-1 steps do not spend the hold at 16
     assert _run_steps(planner, 5, b=16, spec_s=0.14, plain_s=0.1, emitted=17) == [0] * 5
-
 
 
 def test_no_per_request_reprobes_where_the_guard_measured_a_loss() -> None:
