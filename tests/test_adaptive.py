@@ -114,6 +114,34 @@ def test_no_per_request_reprobes_where_the_guard_measured_a_loss() -> None:
     assert planner.plan({"r0": (10, 100, 32)}) == {"r0": 1}  # batch 1 has measured nothing: it still re-probes
 
 
+def _planner_after_workload(rate: float) -> AdaptiveK:
+    """A planner that has served 16 requests for 40 steps at K = 2, their drafts accepted at ``rate``. Its cost
+    model makes speculation pay at batch 16 above an acceptance of about 0.56 (V(1) = 1.56)."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.05, 0.004))
+    for step in range(1, 41):
+        planner.plan({f"old{i}": (int(rate * 2 * step), 2 * step, step) for i in range(16)})
+    return planner
+
+
+def test_new_requests_start_from_the_workloads_acceptance() -> None:
+    """The acceptance prior is the workload's (module docstring of :mod:`verifier_service.adaptive`): after requests
+    whose drafts were rarely accepted, 16 new ones start plain, without a first-round probe; after requests whose
+    drafts were accepted, they speculate from their first round."""
+    fresh = {f"new{i}": (0, 0, 0) for i in range(16)}
+    low = _planner_after_workload(0.3)
+    assert low.prior() == pytest.approx(0.3, abs=0.02)
+    assert set(low.plan(fresh).values()) == {0} and low.batch_k == 0
+    high = _planner_after_workload(0.9)
+    assert high.prior() == pytest.approx(0.9, abs=0.02)
+    assert min(high.plan(fresh).values()) >= 1 and high.batch_k >= 1
+    # A fixed prior of 0.7 (the planner before it served anything) would have speculated on the first workload.
+    assert set(AdaptiveK(k_max=3, cost=FixedCost(0.05, 0.004)).plan(fresh).values()) != {0}
+    # Steps that draft nothing (held plain) do not age the workload's acceptance back towards the fixed prior.
+    for _ in range(1000):
+        low.plan(fresh)
+    assert low.prior() == pytest.approx(0.3, abs=0.02)
+
+
 def _run_concave(planner: AdaptiveK, steps: int, emitted: int) -> int:
     """Batch 16 with the measured shape of a bf16 step: plain steps (16 tokens) take 0.11 s, speculating steps of
     any size (25-58 tokens) about 0.2 s. Returns the speculating steps."""

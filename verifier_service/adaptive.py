@@ -8,9 +8,13 @@ maximises E(a, K) / (V(K) + K·c) over K in 0..k_max. Because drafting is inside
 SD drafter; SSD's waits and bundle handling), ``c`` is 0 by default; a caller that measures drafting elsewhere may
 set it. Fitting the forward alone ignored per-token costs outside it, which on small models are most of a step,
 and kept K too high at concurrency 16. Acceptance ``a`` is
-estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. K = 0 means plain
-decoding for that request; it re-probes speculation every ``probe_every`` rounds (unless the back-off below has
-measured speculation losing at this batch size) so a request whose text turns
+estimated per request (accepted / drafted with a prior), and the batch K uses the batch mean. The prior is the
+workload's: the acceptance of every request's drafted tokens so far (exponentially weighted, with a half-life of
+``population_half_life`` drafted tokens, so steps that draft nothing do not age it), itself shrunk towards
+``prior_a``; so on a workload where drafts are rarely accepted (sampled chat at batch 16: 0.33) a new request starts
+where its predecessors ended instead of at 0.7. K = 0 means plain decoding for that request; it re-probes
+speculation every ``probe_every`` rounds after its first (unless the back-off below has measured speculation losing
+at this batch size) so a request whose text turns
 predictable gets K back. The other way round, while the batch speculates, every ``probe_plain_every``-th step is a
 plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-token steps, cannot tell the fixed
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
@@ -99,6 +103,12 @@ class AdaptiveK:
     draft_cost: float = 0.0  # c: drafting time per token / T(batch) not already inside the measured step
     prior_a: float = 0.7
     prior_weight: float = 8.0
+    #: The workload prior (module docstring): accepted and drafted tokens of all requests, decayed by drafted
+    #: tokens, and each request's counts at the last step (the deltas feed the sums; finished requests drop out).
+    population_half_life: float = 512.0
+    pop_accepted: float = 0.0
+    pop_drafted: float = 0.0
+    last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     probe_every: int = 16
     probe_plain_every: int = 16
     cost: LinearCost | None = None
@@ -129,8 +139,23 @@ class AdaptiveK:
         """The back-off state for steps of ``b`` requests (:func:`batch_bucket`)."""
         return self.backoff_by_bucket.setdefault(batch_bucket(b), Backoff())
 
+    def prior(self) -> float:
+        """The workload's acceptance so far, shrunk towards ``prior_a`` with ``prior_weight`` drafted tokens."""
+        return (self.pop_accepted + self.prior_a * self.prior_weight) / (self.pop_drafted + self.prior_weight)
+
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
-        return (num_accepted + self.prior_a * self.prior_weight) / (num_drafted + self.prior_weight)
+        return (num_accepted + self.prior() * self.prior_weight) / (num_drafted + self.prior_weight)
+
+    def _observe_population(self, accept: dict[str, tuple[int, int, int]]) -> None:
+        """Add each request's accepted/drafted tokens since the last step to the workload's decayed sums."""
+        new_a = new_n = 0
+        for rid, (a, n, _) in accept.items():
+            pa, pn = self.last_counts.get(rid, (0, 0))
+            new_a, new_n = new_a + max(0, a - pa), new_n + max(0, n - pn)
+        self.last_counts = {rid: (a, n) for rid, (a, n, _) in accept.items()}
+        keep = 0.5 ** (new_n / self.population_half_life)
+        self.pop_accepted = keep * self.pop_accepted + new_a
+        self.pop_drafted = keep * self.pop_drafted + new_n
 
     def plain_time(self, b: int) -> float | None:
         """T(b): the measured time of a plain decode step of ``b`` requests (module docstring)."""
@@ -180,6 +205,7 @@ class AdaptiveK:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
         b = max(1, len(accept))
         self.steps += 1
+        self._observe_population(accept)
         st = self.backoff(b)
         held = bool(st.hold_left and self.k_max)
         if held:  # the measured back-off holds the batch plain
@@ -202,7 +228,7 @@ class AdaptiveK:
             self.batch_k = min(1, self.k_max)
             return dict.fromkeys(accept, self.batch_k)
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
-        mean_a = sum(rates.values()) / len(rates) if rates else self.prior_a
+        mean_a = sum(rates.values()) / len(rates) if rates else self.prior()
         self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
         # Once the guard has measured speculation losing at this batch size (and no window has paid since), its
         # own windows re-measure it; per-request re-probes would only add speculating steps (at batch 16 the
@@ -212,8 +238,8 @@ class AdaptiveK:
         for rid, a in rates.items():
             k = best_k(min(a, 1.0), self.draft_cost, v, self.batch_k) if self.batch_k else 0
             rounds = accept[rid][2]
-            if k == 0 and self.k_max and reprobe and rounds % self.probe_every == 0:
-                k = 1  # re-probe: acceptance estimates need drafted tokens to move
+            if k == 0 and self.k_max and reprobe and rounds and rounds % self.probe_every == 0:
+                k = 1  # re-probe: acceptance estimates need drafted tokens to move (a new request has the prior)
             out[rid] = k
             self.plain_rounds += int(k == 0)
         return out
