@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -170,6 +171,28 @@ def test_plain_steps_are_measured_not_fitted() -> None:
     paying = AdaptiveK(k_max=3, cost=LinearCost())
     spec = _run_concave(paying, 300, emitted=40)
     assert paying.backoffs == 0 and spec > 180, (paying.backoffs, spec)  # (plain probes, and K = 0 where marginal)
+
+
+def test_bundle_wait_is_break_even() -> None:
+    """The fast backup's wait for a bundle in the making (:func:`bundle_wait`): as long as the observed lateness
+    says it pays, never past the cap, not where a bundle's round gains nothing, and shared by the batch."""
+    from verifier_service.ssd_stats import SSDStats, bundle_gain, bundle_wait
+
+    assert bundle_gain(SSDStats()) == pytest.approx(1.0)  # priors: 2 tokens against 1
+    good = SSDStats(hit_rounds=50, tokens_on_hit=125, backup_rounds=50, tokens_on_backup=100)
+    assert bundle_gain(good) == pytest.approx((129 / 52) / (102 / 52) - 1)
+    assert bundle_gain(SSDStats(hit_rounds=50, tokens_on_hit=100, backup_rounds=50, tokens_on_backup=110)) < 0
+    late = [0.03 + 0.001 * i for i in range(10)]  # bundles 30-39 ms late; a verify takes 200 ms
+    assert bundle_wait(late, 1.0, 0.2, 0.1) == pytest.approx(0.042)  # wait for all of them (+ 3 ms transit)
+    assert bundle_wait(late, 1.0, 0.2, 0.0375) == pytest.approx(0.037)  # the cap: only the first five
+    assert bundle_wait(late, 0.0, 0.2, 0.1) == 0.0 and bundle_wait([], 1.0, 0.2, 0.1) == 0.0
+    assert bundle_wait(late, 1.0, 0.2, 0.02) == 0.0  # all later than the cap
+    # a gain of 10% pays for at most 20 ms of a 200 ms verify: no wait for bundles 30 ms late
+    assert bundle_wait(late, 0.1, 0.2, 0.1) == 0.0
+    # mostly never: a few bundles in time are not worth a 20% gain
+    assert bundle_wait([0.03, math.inf, math.inf, math.inf, math.inf], 0.2, 0.2, 0.1) == 0.0
+    # the whole batch waits for one request of 16: 30 ms is 15% of a round, for a gain of 1/16 round
+    assert bundle_wait(late, 1.0, 0.2, 0.1, share=1 / 16) == 0.0
 
 
 def test_backup_choice_flips_at_b_star() -> None:

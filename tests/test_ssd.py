@@ -96,6 +96,27 @@ def test_concurrency_is_real(tiny_models):
     assert mean_round < 0.26, mean_round
 
 
+def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
+    """Bundles ready 20-40 ms after each 200 ms verify, with the n-gram backup chosen at once (no just-in-time
+    drafts): once it has seen how late they are, the verifier waits for them (break-even, at most
+    ``wait_fraction`` of a verify) and they serve the rounds, exactly. With a cap of 1% of a verify it never waits."""
+    target = ModelRunner(tiny_models["llama"])
+    prompts = _prompts(1)
+    reference = _reference(target, prompts, 32)
+    got = {}
+    for fraction in (0.5, 0.01):
+        cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6)),
+                             max_num_seqs=1, verify_delay_s=0.2, tree_delay_s=0.22, backup_policy="fast",
+                             wait_fraction=fraction)
+        outs, stats, _, _ = _run(target, cfg, prompts, 32)
+        assert outs == reference
+        got[fraction] = stats
+    waited, short = got[0.5], got[0.01]
+    assert waited.hits == 0 and waited.bundle_wait_rounds >= waited.rounds // 2, waited
+    assert waited.tokens_on_bundle_wait / waited.bundle_wait_rounds > 2, waited  # the target drafts for itself
+    assert short.bundle_wait_rounds == 0 and short.bundle_wait_attempts == 0, short
+
+
 def test_prefill_and_free_in_one_batch_leaks_nothing(tiny_models):
     """A request cancelled before its first bundle was built (both events in one batch) gets no KV blocks."""
     from drafter_service.process import DrafterLoop

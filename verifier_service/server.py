@@ -314,14 +314,17 @@ class VerifierServer:
                        backup_rounds=s.backup, verifier_wait_s=s.wait_s, verifier_max_wait_s=s.max_wait_s,
                        accepted_histogram=list(s.accepted_hist),
                        tokens_per_round_on_hit=s.tokens_on_hit / s.hit_rounds if s.hit_rounds else None,
-                       tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds)
-                                                 if s.jit_rounds + s.backup_rounds else None),
+                       tokens_per_round_on_miss=(s.tokens_on_miss / (s.jit_rounds + s.backup_rounds
+                                                                     + s.bundle_wait_rounds)
+                                                 if s.jit_rounds + s.backup_rounds + s.bundle_wait_rounds else None),
                        fast_backup_steps=s.fast_backup_steps, backup_switch_rounds=proposer.switch_rounds,
                        tree=str(self.config.spec.tree), mean_tree_nodes=s.mean_tree_nodes, off_spine_rounds=s.off_spine_rounds,
                        hits_by_outcome={"all_accepted": s.hits_all_accepted, "rejected": s.hits_rejected,
                                         "off_spine": s.hits_off_spine},
                        misses_by_cause={"late": s.misses_late, "unpredicted": s.misses_unpredicted,
                                         "no_bundle": s.misses_no_bundle, "other_base": s.misses_other_base},
+                       bundle_waits={"attempts": s.bundle_wait_attempts, "rounds_served": s.bundle_wait_rounds,
+                                     "wait_s": s.bundle_wait_s},
                        verifier_wait_fraction=s.wait_s / step_s if step_s > 0 else None)
         if self.link is not None:
             out.update(link_bytes_sent=self.link_bytes_base[0] + self.link.bytes_sent,

@@ -6,13 +6,17 @@ For each request the verifier keeps the newest branch bundle the drafter sent. W
   * **miss**: the drafter (told the outcome at once) drafts S_{R+1} just in time; the verifier waits for it at most
     ``wait_fraction`` × a verify time, then falls back to the n-gram backup (or no speculation). A bundle that
     arrives late is still used, but counts as a miss. The drafter never stalls the verifier past that deadline.
+    Where the backup policy chose the n-gram backup at once (no just-in-time draft), a round whose bundle the
+    drafter is still building waits for it as long as that pays, by how late such bundles have been and how many
+    more tokens a bundle's round makes (:func:`verifier_service.ssd_stats.bundle_wait`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 
@@ -30,31 +34,14 @@ from spec_core.speculation import (
 )
 from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
-from verifier_service.ssd_stats import SSDStats
+from verifier_service.ssd_request import SSDRequestState
+from verifier_service.ssd_stats import SSDStats, bundle_gain, bundle_wait
 
 logger = logging.getLogger(__name__)
 
 
 #: The longest a seeded sampled request waits for its just-in-time draft before the backup serves it.
 REPRODUCIBLE_WAIT_S = 30.0
-
-
-@dataclass(slots=True)
-class _ReqState:
-    round: int = 0
-    verified: list[int] = field(default_factory=list)
-    verified_parents: list[int] | None = None  # None: ``verified`` is a chain
-    last_key: tuple[int, int] | None = None
-    verify_end: float = 0.0
-    used_hit: bool = False
-    source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
-    jit_attempted: bool = False
-    miss_kind: str = "no_bundle"
-    bundles: dict[int, BranchBundle] = field(default_factory=dict)
-    jit: dict[int, Speculation] = field(default_factory=dict)
-    #: Tokens of plain rounds (K = 0) the drafter has not been told yet: it drafts nothing for such rounds, so
-    #: their outcomes go in one event when the request next speculates (or never, if it finishes first).
-    deferred: list[int] = field(default_factory=list)
 
 
 class SSDProposer:
@@ -92,9 +79,11 @@ class SSDProposer:
         self.backup = backup
         self.wait_fraction = wait_fraction
         self.backup_greedy_match = backup_greedy_match
-        self.state: dict[str, _ReqState] = {}
+        self.state: dict[str, SSDRequestState] = {}
         self.stats = SSDStats()
         self.verify_s_ema = 0.01
+        #: How long after their verify ended recent overdue bundles became ready (``inf``: never), for the wait.
+        self.lateness: deque[float] = deque(maxlen=64)
         from verifier_service.adaptive import LinearCost
 
         self.verify_cost = LinearCost(decay=0.99)
@@ -108,6 +97,8 @@ class SSDProposer:
             st = self.state.get(msg.request_id)
             if st is not None:
                 st.bundles[msg.round] = msg
+                if msg.round in st.due:
+                    self.lateness.append(msg.ready_at - st.due.pop(msg.round))
                 for old in [r for r in st.bundles if r < msg.round - 1]:
                     del st.bundles[old]
         elif isinstance(msg, SpeculationMsg):
@@ -123,7 +114,7 @@ class SSDProposer:
             got, timeout = True, 0.0
         return got
 
-    def _lookup(self, st: _ReqState) -> tuple[Speculation | None, bool]:
+    def _lookup(self, st: SSDRequestState) -> tuple[Speculation | None, bool]:
         """(speculation for st.round, counts as hit) if the drafter has provided one."""
         b = st.bundles.get(st.round - 1)
         if b is not None and b.base_tokens == st.verified and b.base_parents == st.verified_parents:
@@ -153,7 +144,7 @@ class SSDProposer:
         for seq, k in zip(seqs, ks):
             st = self.state.get(seq.request_id)
             if st is None:  # first round: the drafter catches up on the prompt while the target prefills
-                self.state[seq.request_id] = _ReqState()
+                self.state[seq.request_id] = SSDRequestState(asked={0} if k > 0 else set())  # round 0's bundle
                 self.link.send(PrefillEvent(seq.request_id, seq.token_ids, seq.params, k))
                 specs[seq.request_id] = None
                 continue
@@ -186,6 +177,8 @@ class SSDProposer:
             self.stats.wait_s += waited
             self.stats.jit_wait_s += waited
             self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+        elif waiting and self.link.alive:
+            self._await_bundles(waiting, specs, len(seqs))
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
         self.link.flush()  # transports that batch sends deliver them now, before the verify
         return trees
@@ -200,7 +193,43 @@ class SSDProposer:
             must = [seq for seq in must if not self._take_jit(seq, specs)]
         return [s for s in waiting if specs.get(s.request_id) is None]
 
-    def _count_hit_kind(self, st: _ReqState) -> None:
+    def _await_bundles(self, waiting: list[Sequence], specs: dict, batch: int) -> None:
+        """The fast backup's short wait (module docstring) for the bundles of ``waiting`` still being built."""
+        due = [s for s in waiting if self._overdue(self.state[s.request_id])]
+        wait = bundle_wait(self.lateness, bundle_gain(self.stats), self.verify_s_ema,
+                           self.wait_fraction * self.verify_s_ema, len(due) / batch) if due else 0.0
+        if wait <= 0:
+            return
+        t0 = time.perf_counter()
+        self.stats.bundle_wait_attempts += len(due)
+        while due and time.perf_counter() < t0 + wait:
+            self._drain(timeout=max(0.0, t0 + wait - time.perf_counter()))
+            due = [seq for seq in due if not self._take_late_bundle(seq, specs)]
+        waited = time.perf_counter() - t0
+        self.stats.wait_s += waited
+        self.stats.bundle_wait_s += waited
+        self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+
+    def _overdue(self, st: SSDRequestState) -> bool:
+        """Whether the bundle this round looks up was asked for and has not come: then note when it was due (and
+        count the ones overdue for rounds long past as never coming)."""
+        for r in [r for r in st.due if r < st.round - 3]:
+            del st.due[r]
+            self.lateness.append(math.inf)
+        if st.round - 1 not in st.asked:
+            return False
+        st.due.setdefault(st.round - 1, st.verify_end)
+        return True
+
+    def _take_late_bundle(self, seq: Sequence, specs: dict) -> bool:
+        st = self.state[seq.request_id]
+        spec, _ = self._lookup(st)
+        if spec is None:
+            return False
+        specs[seq.request_id], st.source = spec, "late_bundle"
+        return True
+
+    def _count_hit_kind(self, st: SSDRequestState) -> None:
         slot = st.last_key[0]
         spine = spine_length(st.verified_parents, len(st.verified))
         if slot > spine:
@@ -276,7 +305,10 @@ class SSDProposer:
                 s.tokens_on_hit += tokens
             else:
                 s.tokens_on_miss += tokens
-                if st.source == "jit":
+                if st.source == "late_bundle":
+                    s.bundle_wait_rounds += 1
+                    s.tokens_on_bundle_wait += tokens
+                elif st.source == "jit":
                     s.jit_rounds += 1
                     s.tokens_on_jit += tokens
                 else:
@@ -294,7 +326,7 @@ class SSDProposer:
         st.round += 1
         st.jit_attempted = False
 
-    def _send_deferred(self, seq: Sequence, st: _ReqState, k: int) -> None:
+    def _send_deferred(self, seq: Sequence, st: SSDRequestState, k: int) -> None:
         """The plain rounds since the drafter last heard, as one outcome of the last of them: its "speculation"
         is their tokens, all accepted, then the last as the bonus (the drafter has no bundle for them, so it only
         appends them, as it would have one event at a time)."""
@@ -304,7 +336,10 @@ class SSDProposer:
     def _send_outcome(self, seq: Sequence, round_: int, verified: list[int], bonus: int, next_k: int,
                       sent_at: float, parents: list[int] | None = None, slot: int | None = None,
                       num_accepted: int | None = None) -> None:
-        """One :class:`OutcomeEvent` to the drafter (``num_accepted`` None: all of ``verified``, a chain)."""
+        """One :class:`OutcomeEvent` to the drafter (``num_accepted`` None: all of ``verified``, a chain). Unless
+        the next round is plain, the drafter answers with the bundle for round ``round_ + 1``."""
+        st = self.state[seq.request_id]
+        st.asked = {r for r in st.asked if r >= round_} | ({round_ + 1} if next_k > 0 else set())
         self.link.send(OutcomeEvent(seq.request_id, round_, verified,
                                     len(verified) if num_accepted is None else num_accepted, bonus, next_k,
                                     verify_s=self.verify_s_ema, sent_at=sent_at,

@@ -1,0 +1,33 @@
+"""The verifier's per-request SSD state: one object per request, kept by the SSD proposer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spec_core.speculation import BranchBundle, Speculation
+
+
+@dataclass(slots=True)
+class SSDRequestState:
+    """The verifier's SSD state of one request: its round, what it verified, the bundles and drafts the drafter
+    sent for it, and what it is waiting for."""
+
+    round: int = 0
+    verified: list[int] = field(default_factory=list)
+    verified_parents: list[int] | None = None  # None: ``verified`` is a chain
+    last_key: tuple[int, int] | None = None
+    verify_end: float = 0.0
+    used_hit: bool = False
+    source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
+    jit_attempted: bool = False
+    miss_kind: str = "no_bundle"
+    #: Rounds of the bundles asked of the drafter (by this round's outcome and the last): the one the next
+    #: round looks up may still be in the making.
+    asked: set[int] = field(default_factory=set)
+    #: Bundles asked for that were not there when their round's verify ended: round → that time.
+    due: dict[int, float] = field(default_factory=dict)
+    bundles: dict[int, BranchBundle] = field(default_factory=dict)
+    jit: dict[int, Speculation] = field(default_factory=dict)
+    #: Tokens of plain rounds (K = 0) the drafter has not been told yet: it drafts nothing for such rounds, so
+    #: their outcomes go in one event when the request next speculates (or never, if it finishes first).
+    deferred: list[int] = field(default_factory=list)
