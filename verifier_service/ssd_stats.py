@@ -1,4 +1,5 @@
-"""The SSD proposer's counters: rounds, hits and misses by cause, what arrived from the drafter, candidate trees."""
+"""The SSD proposer's counters (rounds, hits and misses by cause, what arrived from the drafter, candidate trees), and
+the decision they feed: how long to wait for a bundle the drafter is still building."""
 
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ class SSDStats:
     @property
     def cache_hit_rate(self) -> float | None:
         return self.hits / self.rounds if self.rounds else None
-
 
 
 #: A bundle's ``ready_at`` is when the drafter finished it (or, over gRPC, when it arrived): a wait for it allows
