@@ -62,6 +62,46 @@ class LinearWeight:
         return self.w.numel() * self.w.element_size()
 
 
+#: oneDNN's linear over a weight reordered once at load (what Inductor's CPU freezing uses).
+_packed_linear = torch.ops.mkldnn._linear_pointwise.default
+
+
+def can_prepack(w: torch.Tensor) -> bool:
+    """Whether ``w`` can be held as a :class:`PackedLinear`: bf16 on a CPU build with oneDNN."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinear:
+    """A bf16 ``[out, in]`` weight reordered once into oneDNN's blocked layout, applied by oneDNN's linear.
+
+    Bit for bit what ``F.linear`` computes on the same weight (tested), but ``F.linear`` reorders the weight and
+    builds its kernel on every call: measured 7.8 against 4.5 ms for the 576 x 49,152 LM head at one row, and
+    30-40 us of fixed cost on each small matrix.
+    """
+
+    w: torch.Tensor  #: an opaque mkldnn tensor
+    in_features: int
+    out_features: int
+
+    @staticmethod
+    def pack(w: torch.Tensor) -> PackedLinear:
+        """Reorder a bf16 ``[out, in]`` weight (see :func:`can_prepack`)."""
+        return PackedLinear(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None), w.shape[1], w.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_features * self.out_features * 2
+
+    def dense(self) -> torch.Tensor:
+        """The ``[out, in]`` bf16 weight back as a plain tensor."""
+        return self.w.to_dense()
+
+
 #: Weights per int4 group (Q4_1's block size).
 INT4_GROUP = 32
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload itself: no dispatch by arguments
@@ -130,7 +170,7 @@ def dequantize(w: Int8Weight) -> torch.Tensor:
     return (w.q.float() * w.scale.float()[:, None]).t()
 
 
-Weight = torch.Tensor | LinearWeight | Int8Weight | Int4Weight
+Weight = torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,6 +178,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     dtype."""
     if isinstance(w, torch.Tensor):
         return x @ w if bias is None else torch.addmm(bias, x.flatten(0, -2), w).view(*x.shape[:-1], w.shape[1])
+    if isinstance(w, PackedLinear):
+        return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):
         return F.linear(x, w.w, bias)
     if bias is not None:
@@ -152,6 +194,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:
     """``w`` in the weight-only format ``fmt`` (``int8`` or ``int4``)."""
+    if isinstance(w, PackedLinear):
+        w = LinearWeight(w.dense())
     if fmt == "int8":
         return quantize_int8(w.w.t() if isinstance(w, LinearWeight) else w)
     if fmt == "int4":
@@ -160,4 +204,4 @@ def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:
 
 
 def nbytes(t: Weight) -> int:
-    return t.nbytes if isinstance(t, (Int8Weight, Int4Weight, LinearWeight)) else t.numel() * t.element_size()
+    return t.nbytes if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear)) else t.numel() * t.element_size()

@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import resolve_model
-from spec_core.quant import LinearWeight, Weight, matmul, nbytes, quantize
+from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
 from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,11 @@ def _t(w: torch.Tensor) -> torch.Tensor:
     return w.t().contiguous()
 
 
-def dense_layout(w: torch.Tensor) -> torch.Tensor | LinearWeight:
+def dense_layout(w: torch.Tensor) -> torch.Tensor | LinearWeight | PackedLinear:
     """The layout a ``[out, in]`` weight (already in its compute dtype) is multiplied in: transposed for fp32,
-    ``nn.Linear``'s own for bf16/fp16 (see :class:`spec_core.quant.LinearWeight`)."""
+    prepacked for oneDNN for bf16 on CPU, ``nn.Linear``'s own otherwise (see :mod:`spec_core.quant`)."""
+    if can_prepack(w):
+        return PackedLinear.pack(w)
     if w.dtype in (torch.bfloat16, torch.float16):
         return LinearWeight(w.contiguous())
     return _t(w)

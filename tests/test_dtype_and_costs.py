@@ -153,3 +153,36 @@ def test_weight_only_dtypes_keep_the_draft_in_float():
     assert draft_dtype("int4") == draft_dtype("int8") == "auto"
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
+
+
+def test_bf16_weights_are_prepacked_and_match_f_linear_bit_for_bit(toy_pair):
+    """bf16 on CPU multiplies by weights reordered once for oneDNN: the same bits as ``F.linear`` (the bf16 model
+    is unchanged, only faster), with bias, 3-D inputs, and a way back for the weight-only formats."""
+    import torch
+    import torch.nn.functional as F
+
+    from spec_core.quant import LinearWeight, PackedLinear, can_prepack, matmul, nbytes, quantize
+    from spec_core.runner import ModelRunner
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 96, generator=gen).to(torch.bfloat16)  # [out, in]
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    assert can_prepack(w) == torch.backends.mkldnn.is_available() and not can_prepack(w.float())
+    if not can_prepack(w):
+        pytest.skip("this torch build has no oneDNN")
+    p = PackedLinear.pack(w)
+    assert p.shape == (96, 48) and nbytes(p) == w.numel() * 2 and torch.equal(p.dense(), w)
+    for x in (torch.randn(1, 96, generator=gen), torch.randn(2, 5, 96, generator=gen)):
+        x = x.to(torch.bfloat16)
+        assert torch.equal(matmul(x, p), F.linear(x, w)) and torch.equal(matmul(x, p, bias), F.linear(x, w, bias))
+    assert torch.equal(quantize(p, "int8").q, quantize(LinearWeight(w), "int8").q)
+    runner = ModelRunner(toy_pair["target"], dtype=torch.bfloat16)
+    assert all(isinstance(m, PackedLinear) for m in runner.weight_matrices())
+    ids = torch.randint(0, runner.vocab_size, (2, 7), generator=gen)
+    pos = torch.arange(7).expand(2, 7)
+    packed = runner.forward(runner.new_cache(2, 16), ids, pos)
+    for layer in runner.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, LinearWeight(getattr(layer, name).dense()))
+    runner.lm_head = LinearWeight(runner.lm_head.dense())
+    assert torch.equal(packed, runner.forward(runner.new_cache(2, 16), ids, pos))
