@@ -89,6 +89,27 @@ def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.backoff(16).next_hold == 0
 
 
+def test_the_window_after_a_hold_speculates_even_where_estimates_say_plain() -> None:
+    """A cold start at batch 1: the first speculating steps lose (the drafter is not warm: waits, rejected backup
+    tokens), so the guard backs off, and their misses drag the measured acceptance below break-even, so the model
+    alone would plan K = 0 for good (the guard stops per-request re-probes once it has measured a loss). The
+    window after the hold still speculates, measures that speculation now pays, and speculation resumes."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.03, 0.009))  # V(1) = 1.23: pays above an acceptance of ~0.23
+    accepted = drafted = 0
+    ks = []
+    for step in range(200):
+        k = planner.plan({"r": (accepted, drafted, step)})["r"]
+        warm = step >= 20
+        drafted += k
+        accepted += round(k * 0.9) if warm else 0
+        spec_s, emitted = (0.045, 1 + round(0.9 * k)) if warm else (0.06, 1)
+        planner.observe_step(1 + k, spec_s if k else 0.036, emitted if k else 1, 1)
+        ks.append(k)
+    assert planner.backoffs >= 1 and planner.backoff_steps >= planner.hold
+    assert planner.acceptance(accepted, drafted) > 0.6  # re-measured: the estimate followed the drafted tokens
+    assert sum(k > 0 for k in ks[-60:]) >= 50 and planner.backoff(1).next_hold == 0
+
+
 def test_backoff_is_kept_per_batch_size_range() -> None:
     """A hold learned at 16 in flight does not stop a lone request from speculating, and the hold at 16 stays."""
     from verifier_service.adaptive import batch_bucket

@@ -32,7 +32,10 @@ Measured back-off. The model above predicts; the guard checks. Each speculating 
 emitted tokens per request over its time in plain steps, ``(emitted / b) · T(b) / step_s`` (plain decoding scores 1).
 Its exponentially weighted mean over a window of ``probe_window`` steps (the first ``warmup`` skipped: an SSD
 drafter that idled has nothing pre-drafted yet) below ``min_gain`` sends the whole batch to plain decoding for
-``hold`` steps, doubling on each failed window up to ``max_hold``; then it speculates again and re-measures. So
+``hold`` steps, doubling on each failed window up to ``max_hold``; then it speculates again and re-measures: the
+window after a hold runs every request at K >= 1 whatever the acceptance estimates say, since estimates that only
+move with drafted tokens would otherwise keep a batch plain for good once they fell (as after a cold drafter's
+first rounds, whose misses drag the workload's acceptance down while the guard stops per-request re-probes). So
 wherever the estimates are wrong (a prior that flatters acceptance, costs outside the step), the batch still runs
 no slower than plain decoding by more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
 The back-off's state is kept per range of batch sizes (:func:`batch_bucket`): speculation that loses at 16 in
@@ -89,12 +92,14 @@ def batch_bucket(b: int) -> int:
 @dataclass(slots=True)
 class Backoff:
     """The measured back-off for one range of batch sizes: the current window's goodput, its step count, the
-    steps left in a hold, and the last hold's length (which doubles after each failed window)."""
+    steps left in a hold, the last hold's length (which doubles after each failed window), and whether the current
+    window is the re-measurement after a hold (it speculates at K >= 1 until it is complete)."""
 
     gain: float | None = None
     window_steps: int = 0
     hold_left: int = 0
     next_hold: int = 0
+    probing: bool = False
 
 
 @dataclass(slots=True)
@@ -193,6 +198,7 @@ class AdaptiveK:
         st.gain = g if st.gain is None else 0.7 * st.gain + 0.3 * g
         if st.window_steps < self.probe_window:
             return
+        st.probing = False
         if st.gain < self.min_gain:
             st.hold_left = st.next_hold = min(max(self.hold, 2 * st.next_hold), self.max_hold)
             self.backoffs += 1
@@ -213,7 +219,7 @@ class AdaptiveK:
             self.backoff_steps += 1
             self.batch_k = 0
             if not st.hold_left:  # speculate again, and measure it afresh
-                st.window_steps, st.gain = 0, None
+                st.window_steps, st.gain, st.probing = 0, None, True
         v = self._v(b)
         # A plain step: T(b) measured, not extrapolated. With no cost data yet, the first steps are a plain one and
         # then K = 1 until the fit spans two step sizes: at batch 16 a cold K = k_max step cost 2.5-3x a plain one
@@ -230,13 +236,15 @@ class AdaptiveK:
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
         mean_a = sum(rates.values()) / len(rates) if rates else self.prior()
         self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
+        floor = int(st.probing and self.k_max > 0)  # the guard re-measures after a hold: every request speculates
+        self.batch_k = max(self.batch_k, floor)
         # Once the guard has measured speculation losing at this batch size (and no window has paid since), its
         # own windows re-measure it; per-request re-probes would only add speculating steps (at batch 16 the
         # requests re-probe in step with each other, a K = 1 step for all every ``probe_every`` rounds).
         reprobe = not st.next_hold
         out = {}
         for rid, a in rates.items():
-            k = best_k(min(a, 1.0), self.draft_cost, v, self.batch_k) if self.batch_k else 0
+            k = max(best_k(min(a, 1.0), self.draft_cost, v, self.batch_k), floor) if self.batch_k else 0
             rounds = accept[rid][2]
             if k == 0 and self.k_max and reprobe and rounds and rounds % self.probe_every == 0:
                 k = 1  # re-probe: acceptance estimates need drafted tokens to move (a new request has the prior)
