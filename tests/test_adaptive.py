@@ -216,6 +216,39 @@ def test_bundle_wait_is_break_even() -> None:
     assert bundle_wait(late, 1.0, 0.2, 0.1, share=1 / 16) == 0.0
 
 
+def test_an_empty_backup_round_counts_in_the_fast_backups_tokens_per_round() -> None:
+    """A speculating round the n-gram backup found nothing for still made a token: it counts in e_fast (the
+    backup policy's and the bundle wait's measure of the fast backup) at 1 token, not as no round at all."""
+    from verifier_service.ssd_request import SSDRequestState
+
+    class Outbox:
+        """The verifier's end of the link; the drafter is not under test here."""
+
+        alive = True
+
+        def __init__(self) -> None:
+            self.sent = []
+
+        def send(self, msg) -> None:
+            self.sent.append(msg)
+
+    prop = SSDProposer(link=Outbox(), vocab_size=50, backup_policy="fast")
+    fresh = prop.stats.e_fast()
+    for rid, prompt in (("empty", [1, 2, 3, 4]), ("match", [1, 2, 3, 1])):  # no repeat / "1" repeats: 2, 3 follow
+        seq = Sequence(rid, prompt, SamplingParams(max_new_tokens=8))
+        prop.state[rid] = SSDRequestState(round=1)
+        tree = prop._to_tree(seq, 2, None)
+        assert tree.num_nodes == (0 if rid == "empty" else 2)
+        n = seq.num_tokens
+        path = [0, 1] if tree.num_nodes else []
+        seq.append([*tree.token_ids, 7])  # the accepted path, then the bonus
+        prop.commit(seq, n, tree, path, 2)
+    s = prop.stats
+    assert s.backup_rounds == 2 and s.tokens_on_backup == 1 + 3 and s.backup_misses == 2
+    assert s.e_fast() == pytest.approx((4 + 2) / (2 + 2)) and fresh == pytest.approx(1.0)
+    assert s.accepted_hist[0] == 1 and s.mean_tree_nodes == pytest.approx(1.0)
+
+
 def test_backup_choice_flips_at_b_star() -> None:
     prop = SSDProposer(link=None, vocab_size=10, backup_policy="auto")
     s = prop.stats

@@ -251,7 +251,8 @@ class SSDProposer:
 
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
         st = self.state[seq.request_id]
-        if st.round > 0 and k > 0:
+        st.speculating = st.round > 0 and k > 0
+        if st.speculating:
             self.stats.rounds += 1
             self.stats.hits += int(st.used_hit)
             if not st.used_hit:
@@ -289,7 +290,7 @@ class SSDProposer:
         st.verify_end = now
         accepted = [tree.token_ids[i] for i in path]
         slot = path[-1] + 1 if path else 0
-        if st.round > 0 and tree.num_nodes:
+        if st.speculating:  # an empty backup's round too: it made 1 token, and its source's means must show it
             tokens = len(accepted) + 1
             s = self.stats
             s.tree_nodes += tree.num_nodes
@@ -324,7 +325,7 @@ class SSDProposer:
                                    slot, len(accepted))
             st.last_key = (slot, bonus)
         st.round += 1
-        st.jit_attempted = False
+        st.jit_attempted = st.speculating = False
 
     def _send_deferred(self, seq: Sequence, st: SSDRequestState, k: int) -> None:
         """The plain rounds since the drafter last heard, as one outcome of the last of them: its "speculation"
@@ -368,11 +369,9 @@ class SSDProposer:
             return "neural"
         p_hit = s.hits / s.rounds
         e_jit = s.tokens_on_jit_attempts / s.jit_attempt_rounds
-        e_hit = s.tokens_on_hit / s.hit_rounds if s.hit_rounds else e_jit
-        e_fast = s.tokens_on_backup / s.backup_rounds if s.backup_rounds else 1.0
         t_jit = s.jit_wait_s / s.jit_attempt_rounds / self.verify_s_ema
-        return choose_backup(b, p_hit, max(e_hit, 1e-3), BackupCost(max(e_jit, 1e-3), min(t_jit, 10.0)),
-                             BackupCost(max(e_fast, 1e-3), 0.0), t_p=1.0)
+        return choose_backup(b, p_hit, s.e_bundle(), BackupCost(max(e_jit, 1e-3), min(t_jit, 10.0)),
+                             BackupCost(s.e_fast(), 0.0), t_p=1.0)
 
     def observe_verify_time(self, seconds: float, tokens: int = 0) -> None:
         self.verify_s_ema = 0.8 * self.verify_s_ema + 0.2 * seconds

@@ -20,6 +20,9 @@ class SSDRequestState:
     used_hit: bool = False
     source: str = "none"  # where this round's speculation came from: hit | jit | backup | none
     jit_attempted: bool = False
+    #: Whether this round speculates (K > 0 after round 0), even if nothing served it (an empty backup): such a
+    #: round still counts in its source's tokens per round, at 1 token.
+    speculating: bool = False
     miss_kind: str = "no_bundle"
     #: Rounds of the bundles asked of the drafter (by this round's outcome and the last): the one the next
     #: round looks up may still be in the making.

@@ -62,6 +62,18 @@ class SSDStats:
     tokens_on_bundle_wait: int = 0
     bundle_wait_s: float = 0.0
 
+    def e_bundle(self) -> float:
+        """Tokens per round served by a pre-drafted bundle (a hit, or a bundle waited for), with a prior of 2 tokens
+        worth 2 rounds."""
+        return (self.tokens_on_hit + self.tokens_on_bundle_wait + 4.0) / (self.hit_rounds + self.bundle_wait_rounds
+                                                                          + 2)
+
+    def e_fast(self) -> float:
+        """Tokens per round served by the n-gram backup, counting rounds where it found nothing (1 token), with a
+        prior of 1 token worth 2 rounds. (Leaving out the empty ones made the backup look as good as a hit on
+        code: 2.75 tokens per round against 2.23 with them.)"""
+        return (self.tokens_on_backup + 2.0) / (self.backup_rounds + 2)
+
     @property
     def mean_tree_nodes(self) -> float | None:
         spec_rounds = sum(self.accepted_hist)
@@ -79,10 +91,8 @@ BUNDLE_TRANSIT_S = 0.003
 
 def bundle_gain(s: SSDStats) -> float:
     """How many more tokens a round served by a pre-drafted bundle makes than one served by the n-gram backup, as a
-    fraction of the latter (priors: 2 tokens for a drafted round, 1 for a backup round)."""
-    e_bundle = (s.tokens_on_hit + s.tokens_on_bundle_wait + 4.0) / (s.hit_rounds + s.bundle_wait_rounds + 2)
-    e_fast = (s.tokens_on_backup + 2.0) / (s.backup_rounds + 2)
-    return e_bundle / e_fast - 1.0
+    fraction of the latter (:meth:`SSDStats.e_bundle`, :meth:`SSDStats.e_fast`)."""
+    return s.e_bundle() / s.e_fast() - 1.0
 
 
 def bundle_wait(lateness: Sequence[float], gain: float, verify_s: float, cap_s: float, share: float = 1.0) -> float:
