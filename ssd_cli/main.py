@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="ar,sd")
     b.add_argument("--num-prompts", type=int, default=20)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--k", type=int, default=5)
+    b.add_argument("--k", type=int, default=3,
+                   help="K for the sd and ssd modes, the most adaptive K plans (default 3: the best of both in "
+                        "session 17's --sweep k on the real pair; at 5 the drafter's bundles rarely fit in a verify)")
     b.add_argument("--repeats", type=int, default=1, help="passes over the prompts (interleaved by prompt)")
     b.add_argument("--temperatures", default="0")
     b.add_argument("--concurrency", default="1", help="comma-separated requests in flight, e.g. 1,4,16 "
