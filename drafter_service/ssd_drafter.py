@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.candidate_trees import GrowingTree, auto_leaves, leaf_tokens
-from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig, TreeShape
+from spec_core.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.fanout import fanout_for, tree_fanout
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner

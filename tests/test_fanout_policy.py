@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from drafter_service.estimators import AcceptanceEstimator, MissExponentEstimator
+from spec_core.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
 from spec_core.fanout import FanoutConfig, fanout_for, geometric_fanout, geometric_weights, uniform_fanout
 from spec_core.policy import BackupCost, best_k, choose_backup, crossover_batch, expected_tokens, ssd_throughput
 
@@ -159,3 +159,24 @@ def test_best_k() -> None:
     mid = best_k(0.6, 0.1, lambda k: 1.0 + 0.02 * k, 16)
     assert high >= 6 and 1 <= mid < high
     assert best_k(0.9, 0.02, lambda k: 1.0, 0) == 0
+
+
+def test_rate_estimator_decays_per_trial_in_batches() -> None:
+    """An update of n trials ages what came before by 2^(-n/h), its own trials all count in full, one of no trials
+    ages nothing, and a single update is a batch of one."""
+    d = 0.5 ** (1 / 16)
+    single, batched = RateEstimator(0.7, 8.0, half_life=16.0), RateEstimator(0.7, 8.0, half_life=16.0)
+    for hit in (True, False, True):
+        single.update(hit)
+        batched.update_many(float(hit), 1)
+    assert batched.value == single.value and batched.trials == pytest.approx(1 + d + d * d)
+    batched.update_many(2, 5)
+    assert batched.trials == pytest.approx((1 + d + d * d) * d**5 + 5)
+    before = batched.value
+    batched.update_many(0, 0)
+    assert batched.value == before and RateEstimator(0.7).value == pytest.approx(0.7)
+    many = RateEstimator(0.7, 8.0, half_life=16.0)
+    many.update_many(300, 1000)
+    assert many.value == pytest.approx((300 + 5.6) / (1000 + 8))
+    with pytest.raises(ValueError, match="0 <= hits <= trials"):
+        many.update_many(3, 2)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from spec_core.estimators import RateEstimator
 from spec_core.policy import best_k
 
 logger = logging.getLogger(__name__)
@@ -108,11 +109,11 @@ class AdaptiveK:
     draft_cost: float = 0.0  # c: drafting time per token / T(batch) not already inside the measured step
     prior_a: float = 0.7
     prior_weight: float = 8.0
-    #: The workload prior (module docstring): accepted and drafted tokens of all requests, decayed by drafted
-    #: tokens, and each request's counts at the last step (the deltas feed the sums; finished requests drop out).
+    #: The workload prior (module docstring): the acceptance of all requests' drafted tokens, decayed by drafted
+    #: tokens (made from ``prior_a``, ``prior_weight`` and ``population_half_life``), and each request's counts
+    #: at the last step (the deltas feed it; finished requests drop out).
     population_half_life: float = 512.0
-    pop_accepted: float = 0.0
-    pop_drafted: float = 0.0
+    population: RateEstimator | None = None
     last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     probe_every: int = 16
     probe_plain_every: int = 16
@@ -138,6 +139,8 @@ class AdaptiveK:
     def __post_init__(self) -> None:
         if self.cost is None:
             self.cost = LinearCost()
+        if self.population is None:
+            self.population = RateEstimator(self.prior_a, self.prior_weight, self.population_half_life)
         self.batch_k = self.k_max
 
     def backoff(self, b: int) -> Backoff:
@@ -146,7 +149,7 @@ class AdaptiveK:
 
     def prior(self) -> float:
         """The workload's acceptance so far, shrunk towards ``prior_a`` with ``prior_weight`` drafted tokens."""
-        return (self.pop_accepted + self.prior_a * self.prior_weight) / (self.pop_drafted + self.prior_weight)
+        return self.population.value
 
     def acceptance(self, num_accepted: int, num_drafted: int) -> float:
         return (num_accepted + self.prior() * self.prior_weight) / (num_drafted + self.prior_weight)
@@ -158,9 +161,7 @@ class AdaptiveK:
             pa, pn = self.last_counts.get(rid, (0, 0))
             new_a, new_n = new_a + max(0, a - pa), new_n + max(0, n - pn)
         self.last_counts = {rid: (a, n) for rid, (a, n, _) in accept.items()}
-        keep = 0.5 ** (new_n / self.population_half_life)
-        self.pop_accepted = keep * self.pop_accepted + new_a
-        self.pop_drafted = keep * self.pop_drafted + new_n
+        self.population.update_many(min(new_a, new_n), new_n)
 
     def plain_time(self, b: int) -> float | None:
         """T(b): the measured time of a plain decode step of ``b`` requests (module docstring)."""

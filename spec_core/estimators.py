@@ -1,7 +1,9 @@
-"""Online estimators for the fan-out inputs: acceptance rate a and power-law miss exponent r (with scale c).
+"""Online estimators: Bernoulli rates (the drafter's leaf hit rates, the verifier's workload acceptance), and the
+fan-out inputs, acceptance rate a and power-law miss exponent r (with scale c).
 
-Both keep exponentially weighted sufficient statistics: with a half-life of h rounds every update first multiplies
-the stored weight by 2^(-1/h) (``half_life=None`` keeps everything). They are deterministic (no randomness).
+All keep exponentially weighted sufficient statistics: with a half-life of h trials (rounds) every update first
+multiplies the stored weight by 2^(-n/h) for its n trials (``half_life=None`` keeps everything). They are
+deterministic (no randomness).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ def _decay_factor(half_life: float | None) -> float:
 
 
 class RateEstimator:
-    """A Bernoulli rate with exponentially weighted counts and a prior of ``prior_weight`` trials at ``prior``."""
+    """A Bernoulli rate with exponentially weighted counts and a prior of ``prior_weight`` trials at ``prior``.
+
+    The weight decays per trial, not per update: an update of n trials ages what came before by 2^(-n/h), and one
+    of none ages nothing."""
 
     def __init__(self, prior: float, prior_weight: float = 5.0, half_life: float | None = 200.0) -> None:
         self._decay = _decay_factor(half_life)
@@ -31,8 +36,20 @@ class RateEstimator:
         self._hits = self._trials = 0.0
 
     def update(self, hit: bool) -> None:
-        self._hits = self._hits * self._decay + float(hit)
-        self._trials = self._trials * self._decay + 1.0
+        self.update_many(float(hit), 1.0)
+
+    def update_many(self, hits: float, trials: float) -> None:
+        """Record ``hits`` successes out of ``trials`` (0 <= hits <= trials)."""
+        if trials < 0 or not 0 <= hits <= trials:
+            raise ValueError(f"need 0 <= hits <= trials, got hits={hits}, trials={trials}")
+        keep = self._decay**trials
+        self._hits = self._hits * keep + hits
+        self._trials = self._trials * keep + trials
+
+    @property
+    def trials(self) -> float:
+        """The decayed number of trials seen (the prior's not included)."""
+        return self._trials
 
     @property
     def value(self) -> float:
