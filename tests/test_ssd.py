@@ -176,12 +176,14 @@ def test_drafter_out_of_blocks_degrades_and_leaks_nothing(tiny_models):
 
 def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
     """End to end (two processes): 8 long requests through a drafter pool of 12 blocks. The drafter process
-    survives and keeps speculating, the output equals AR, and the verifier's pool is whole at the end."""
+    survives and keeps speculating, the output equals AR, and the verifier's pool is whole at the end. The backup
+    policy is pinned to just-in-time drafts, so every miss asks the drafter for one (under ``auto`` at 8 in flight
+    the policy may settle on the n-gram backup, and then the drafter is asked for nothing)."""
     target = ModelRunner(tiny_models["llama"])
     prompts = [p * 5 for p in _prompts(8)]
     cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4),
                                                                     num_blocks=12, block_size=16),
-                         max_num_seqs=8, wait_fraction=1.0)
+                         max_num_seqs=8, wait_fraction=1.0, backup_policy="neural")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     with LocalSSD(target, cfg) as local:
         seqs = [Sequence(str(i), p, params) for i, p in enumerate(prompts)]
@@ -192,7 +194,9 @@ def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
         alive, stats = local.proc.is_alive(), local.proposer.stats
     assert [s.output_ids for s in seqs] == _reference(target, prompts, 12)
     assert alive  # before the fix, the drafter process died of NoFreeBlocks and the backup served the rest
-    assert stats.hits + stats.jit > 0, stats
+    # It answered misses all along. (Whether an answer comes within the verifier's wait depends on the machine's
+    # load: with three such tests at once on two cores, 16-63 drafts arrived and 0-8 were in time.)
+    assert stats.jit_received > 8, stats
 
 
 def test_local_drafter_killed_mid_stream_recovers(tiny_models):
