@@ -51,3 +51,18 @@ def test_batched_rows_are_independent(tiny_models):
     both = runner.forward(cache, torch.cat([a, b]), torch.arange(12).expand(2, 12))
     single = runner.forward(runner.new_cache(1, 32), b, torch.arange(12)[None])
     assert (both[1] - single[0]).abs().max().item() < TOL
+
+
+def test_gpu_attention_leaves_out_cudnn_and_restores_the_flags():
+    """On CUDA each forward's attention may not pick cuDNN's kernel (a plan build per new shape); the global SDPA
+    flags are restored after it, and a CPU forward leaves them alone."""
+    from spec_core.runner import attention_kernels
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
