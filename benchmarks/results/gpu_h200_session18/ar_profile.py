@@ -3,6 +3,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from spec_core.config import ModelConfig, SamplingParams
 from spec_core.model_paths import default_pair
@@ -35,7 +36,6 @@ for dt in ("float32", "bfloat16"):
             dt_s = time.perf_counter() - t
             print(f"{dt} {mode} rep{rep}: {len(res.token_ids)} tokens in {dt_s:.3f}s = {dt_s / len(res.token_ids) * 1e3:.1f} ms/token", flush=True)
 
-from torch.profiler import ProfilerActivity, profile
 
 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.startswith("cuda") else [])
 for dt in ("bfloat16", "float32"):
