@@ -1,5 +1,6 @@
-"""Online estimators: Bernoulli rates (the drafter's leaf hit rates, the verifier's workload acceptance), and the
-fan-out inputs, acceptance rate a and power-law miss exponent r (with scale c).
+"""Online estimators: Bernoulli rates (the drafter's leaf hit rates, the verifier's workload acceptance), the
+fan-out inputs, acceptance rate a and power-law miss exponent r (with scale c), and a linear cost fit (a step's time
+against its size: the verifier's steps, the drafter's bundle builds).
 
 All keep exponentially weighted sufficient statistics: with a half-life of h trials (rounds) every update first
 multiplies the stored weight by 2^(-n/h) for its n trials (``half_life=None`` keeps everything). They are
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +187,35 @@ class MissExponentEstimator:
         if fan_out == 0:
             return 1.0
         return min(1.0, self.c * fan_out ** (-self.r))
+
+
+@dataclass(slots=True)
+class LinearCost:
+    """Exponentially weighted least squares fit of a step's time against its size (tokens, or work units)."""
+
+    decay: float = 0.98
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + n, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(t0, t1), or None until the observations span more than one step size."""
+        if self.sw < 2:
+            return None
+        var = self.sxx / self.sw - (self.sx / self.sw) ** 2
+        if var <= 1e-9:
+            return None
+        t1 = (self.sxy / self.sw - self.sx * self.sy / self.sw**2) / var
+        t0 = self.sy / self.sw - t1 * self.sx / self.sw
+        return max(t0, 1e-6), max(t1, 0.0)
+
+    def time(self, n: int) -> float | None:
+        c = self.coefficients()
+        return None if c is None else c[0] + c[1] * n

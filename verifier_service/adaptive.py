@@ -47,42 +47,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from spec_core.estimators import RateEstimator
+from spec_core.estimators import LinearCost, RateEstimator
 from spec_core.policy import best_k
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class LinearCost:
-    """Exponentially weighted least squares fit of step time against tokens per step."""
-
-    decay: float = 0.98
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def observe(self, n: int, seconds: float) -> None:
-        d = self.decay
-        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + n, d * self.sy + seconds
-        self.sxx, self.sxy = d * self.sxx + n * n, d * self.sxy + n * seconds
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """(t0, t1), or None until the observations span more than one step size."""
-        if self.sw < 2:
-            return None
-        var = self.sxx / self.sw - (self.sx / self.sw) ** 2
-        if var <= 1e-9:
-            return None
-        t1 = (self.sxy / self.sw - self.sx * self.sy / self.sw**2) / var
-        t0 = self.sy / self.sw - t1 * self.sx / self.sw
-        return max(t0, 1e-6), max(t1, 0.0)
-
-    def time(self, n: int) -> float | None:
-        c = self.coefficients()
-        return None if c is None else c[0] + c[1] * n
 
 
 def batch_bucket(b: int) -> int:

@@ -20,6 +20,7 @@ from collections import deque
 
 import torch
 
+from spec_core.estimators import LinearCost
 from spec_core.ngram import backup_tokens, one_hot_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
@@ -84,8 +85,6 @@ class SSDProposer:
         self.verify_s_ema = 0.01
         #: How long after their verify ended recent overdue bundles became ready (``inf``: never), for the wait.
         self.lateness: deque[float] = deque(maxlen=64)
-        from verifier_service.adaptive import LinearCost
-
         self.verify_cost = LinearCost(decay=0.99)
         self._last_step_tokens = 1
 
