@@ -7,6 +7,7 @@ loop deterministic for seeded tests. Production uses :mod:`drafter_service.proce
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from drafter_service.process import DrafterLoop
 from drafter_service.ssd_drafter import SSDDrafter
@@ -30,7 +31,9 @@ class LoopbackLink:
     before it verifies) and ``poll`` run the drafter on them, so the drafter always finishes "during" the verify."""
 
     def __init__(self, drafter: SSDDrafter, backup: str = "ngram", jit: bool = True) -> None:
-        """``jit=False`` makes the drafter treat just-in-time drafts as always late (so misses use the backup)."""
+        """``jit=False`` makes the drafter treat just-in-time drafts as always late (so misses use the backup).
+        The drafter builds inside the verifier's step here, so its fan-out is never fitted to that step."""
+        drafter.config = replace(drafter.config, fit_fanout=None)
         self.to_drafter: list[object] = []
         self.to_verifier = _Inbox()
         self.loop = DrafterLoop(drafter, _DrafterEnd(self.to_verifier), backup=backup,

@@ -208,6 +208,8 @@ class DrafterLoop:
                    and bundle.base_parents == ev.parents)
             if ev.node_cost is not None:
                 self.drafter.node_cost = ev.node_cost
+            if ev.verify_s:
+                self.drafter.verify_s = ev.verify_s
             hit = own and ev.key in bundle.entries
             if own:
                 self.drafter.observe(req, ev)

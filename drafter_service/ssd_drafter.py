@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from drafter_service.candidate_trees import GrowingTree, auto_leaves, leaf_tokens
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig, TreeShape
-from spec_core.estimators import AcceptanceEstimator, MissExponentEstimator, RateEstimator
+from spec_core.estimators import AcceptanceEstimator, LinearCost, MissExponentEstimator, RateEstimator
 from spec_core.fanout import fanout_for, tree_fanout
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
@@ -95,6 +95,12 @@ class SSDDrafter:
         self.jit_s_per_token = 0.0
         #: Times a request's drafting was cut short because the KV pool was out of blocks.
         self.out_of_blocks = 0
+        #: Fitting bundles to the verifier's step (``SSDConfig.fit_fanout``): its step time (from its outcomes),
+        #: the fit of a batch of bundles' build time against its work units, and the last per-request budget.
+        self.verify_s: float | None = None
+        self.build_cost = LinearCost(decay=0.95)
+        self.build_s_per_unit: float | None = None
+        self.fanout_budget = config.fanout.budget
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence, k: int) -> None:
@@ -217,34 +223,64 @@ class SSDDrafter:
     def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
         """Glue forward, fork, and K batched tree-decode steps for every request (module docstring). A request
         whose K/V does not fit in the pool gets an empty bundle (its next round misses)."""
-        fans = [self._fit_fanout(r, s) for r, s in zip(reqs, specs)]
+        # each request's glue forward: its tokens not yet computed, and the speculation's nodes
+        glue = [r.seq.num_tokens - min(r.num_computed, r.seq.num_tokens - 1) + s.num_nodes for r, s in zip(reqs, specs)]
+        self.fanout_budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
+        fans = [self._fit_fanout(r, s, self.fanout_budget) for r, s in zip(reqs, specs)]
         kept = [i for i, fan in enumerate(fans) if fan is not None]
+        t0 = time.perf_counter()
         built = iter(self._build([reqs[i] for i in kept], [specs[i] for i in kept], [fans[i] for i in kept])
                      if kept else [])
         now = time.perf_counter()
+        if kept:
+            units = sum(glue[i] + reqs[i].k * sum(fans[i]) for i in kept)
+            self._observe_build(units, now - t0)
         return [next(built) if fan is not None else BranchBundle(r.seq.request_id, r.round, list(s.token_ids), {},
                                                                  ready_at=now)
                 for r, s, fan in zip(reqs, specs, fans)]
 
-    def _fit_fanout(self, r: DraftRequest, s: Speculation) -> list[int] | None:
-        """The fan-out for ``r`` with its slots reserved: the full one, else the trunk alone (no branches), else
-        None when not even the glue fits."""
-        fan = self._slot_fanout(s)
+    def _fitted_budget(self, glue: int, depth: int) -> int:
+        """The per-request fan-out budget for a batch of bundles with ``glue`` glue tokens and ``depth`` decode
+        steps summed over its requests (a budget of B decodes B branches for each step): the configured budget, or
+        the largest below it whose predicted build time, t0 + t1 (glue + B depth) fitted on past builds, fits
+        ``fit_fanout`` of the verifier's step. Until the fit has two sizes: t0 = 0, t1 = recent seconds per unit."""
+        full = self.config.fanout.budget
+        frac = self.config.fit_fanout
+        if frac is None or not self.verify_s or depth <= 0:
+            return full
+        fit = self.build_cost.coefficients()
+        t0, t1 = fit if fit is not None else (0.0, self.build_s_per_unit or 0.0)
+        if t1 <= 0:
+            return full
+        room = frac * self.verify_s - t0 - t1 * glue
+        return max(1, min(full, int(room / (t1 * depth))))
+
+    def _observe_build(self, units: int, seconds: float) -> None:
+        self.build_cost.observe(units, seconds)
+        old, per_unit = self.build_s_per_unit, seconds / max(units, 1)
+        self.build_s_per_unit = per_unit if old is None else 0.8 * old + 0.2 * per_unit
+
+    def _fit_fanout(self, r: DraftRequest, s: Speculation, budget: int) -> list[int] | None:
+        """The fan-out for ``r`` under ``budget`` with its slots reserved: the full one, else the trunk alone (no
+        branches), else None when not even the glue fits."""
+        fan = self._slot_fanout(s, budget)
         n = r.seq.num_tokens
         if self._reserve(r, n + s.num_nodes + r.k * sum(fan)):
             return fan
         return [0] * len(fan) if self._reserve(r, n + s.num_nodes) else None
 
-    def _slot_fanout(self, s: Speculation) -> list[int]:
-        """F per outcome slot of ``s`` (its root, then every node): the spine's schedule, plus its leaves'."""
+    def _slot_fanout(self, s: Speculation, budget: int | None = None) -> list[int]:
+        """F per outcome slot of ``s`` (its root, then every node) under ``budget`` (default: the configured one):
+        the spine's schedule, plus its leaves'."""
+        fan_cfg = self.config.fanout if budget is None else replace(self.config.fanout, budget=budget)
         if s.parents is None:
             a = self.backup_accept_rate if s.source == "backup" else self.accept_rate
-            return fanout_for(self.config.fanout, s.k, a, self.miss_exponent)
+            return fanout_for(fan_cfg, s.k, a, self.miss_exponent)
         depth = node_depths(s.parents)
         leaves = [0] * s.k
         for i in range(s.k, s.num_nodes):
             leaves[depth[i] - 1] += 1
-        return tree_fanout(self.config.fanout, s.k, leaves, self.accept_rate, self.miss_exponent, self.leaf_rate)
+        return tree_fanout(fan_cfg, s.k, leaves, self.accept_rate, self.miss_exponent, self.leaf_rate)
 
     def _build(self, reqs: list[DraftRequest], specs: list[Speculation], fans: list[list[int]]) -> list[BranchBundle]:
         glue_items = []

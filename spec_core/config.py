@@ -244,6 +244,11 @@ class SSDConfig:
     #: ... and for sampled ones (leaves are i.i.d. draws). A chain by default: at T = 0.8 on the real pair,
     #: trees halved the cache-hit rate and ran slower than chains (README, "SSD candidate trees").
     sampled_tree: TreeShape = field(default_factory=TreeShape)
+    #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
+    #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit
+    #: (many requests, a slow drafter). None always builds the full budget. An in-process (loopback) drafter,
+    #: which builds inside the verifier's step, has nothing to fit and ignores it.
+    fit_fanout: float | None = 1.0
 
     @property
     def max_nodes(self) -> int:
@@ -255,6 +260,8 @@ class SSDConfig:
             raise ValueError(f"k must be in [1, 16], got {self.k}")
         if not 0 < self.saguaro_c <= 1:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
+        if self.fit_fanout is not None and not self.fit_fanout > 0:
+            raise ValueError(f"fit_fanout must be > 0 or None, got {self.fit_fanout}")
 
 
 @dataclass(frozen=True, slots=True)
