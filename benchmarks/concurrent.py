@@ -73,11 +73,12 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     }
     if before is not None:
         after = _ssd_counters(local_ssd)
-        r = after[0] - before[0]
+        r, bundles = after[0] - before[0], after[2] - before[2]
         out["cache_hit_rate"] = (after[1] - before[1]) / r if r else None
+        out["branches_per_bundle"] = (after[3] - before[3]) / bundles if bundles else None
     return out
 
 
-def _ssd_counters(local_ssd) -> tuple[int, int]:
+def _ssd_counters(local_ssd) -> tuple[int, int, int, int]:
     s = local_ssd.proposer.stats
-    return s.rounds, s.hits
+    return s.rounds, s.hits, s.bundles_received, s.branches_received

@@ -119,6 +119,9 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         # SSD rounds served by a bundle the verifier waited for (the fast backup's short wait), of all rounds
         "bundle_wait_rate": mean([e["bundle_wait_rate"] for e in ssd_extra or []
                                   if e.get("bundle_wait_rate") is not None]),
+        # branches per pre-drafted bundle: the fan-out budget, or less where the drafter fitted it to the verify
+        "branches_per_bundle": mean([e["branches_per_bundle"] for e in ssd_extra or []
+                                     if e.get("branches_per_bundle") is not None]),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
         "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and not is_ar(mode) else None,
         "num_runs": len(tps),
@@ -171,6 +174,7 @@ def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference:
         "acceptance_rate": mean([r["acceptance_rate"] for r in runs if r["acceptance_rate"] is not None]),
         "acceptance_by_position": None,
         "cache_hit_rate": mean([r["cache_hit_rate"] for r in runs if r["cache_hit_rate"] is not None]),
+        "branches_per_bundle": mean([r["branches_per_bundle"] for r in runs if r.get("branches_per_bundle") is not None]),
         "verifier_idle_fraction": None, "link_bytes_per_round": None,
         "batching": (f"continuous batching, {c} in flight" + (", adaptive K" if not is_ar(mode) else "")
                      + (", 2 threads on both cores" if mode in TWO_THREAD_MODES else "")

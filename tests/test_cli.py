@@ -125,6 +125,7 @@ def test_bench_sweep_reports_the_best_budget(tmp_path, toy_pair):
     sweep = json.loads(out.read_text())["sweep"]
     assert [r["budget"] for r in sweep["budget"]] == [4, 8, 12, 16, 24]
     assert all(r["matches_target_greedy"] is True for r in sweep["budget"])
+    assert all(0 < r["branches_per_bundle"] <= r["budget"] for r in sweep["budget"]), sweep["budget"]
     best = max(sweep["budget"], key=lambda r: r["tokens_per_s"])
     assert sweep["best_budget"] == best["budget"]
     bad = ssd("bench", "--quick", "--sweep", "k,temperature")
