@@ -68,6 +68,11 @@ class DraftRequest:
     base_source: str = "prefill"
 
 
+def _glue_start(r: DraftRequest) -> int:
+    """Where ``r``'s glue forward starts: its first token without K/V (the last token always re-runs)."""
+    return min(r.num_computed, r.seq.num_tokens - 1)
+
+
 class SSDDrafter:
     """Builds speculations and branch bundles for many requests at once. Transport-free (see ``drafter_process``)."""
 
@@ -96,11 +101,10 @@ class SSDDrafter:
         #: Times a request's drafting was cut short because the KV pool was out of blocks.
         self.out_of_blocks = 0
         #: Fitting bundles to the verifier's step (``SSDConfig.fit_fanout``): its step time (from its outcomes),
-        #: the fit of a batch of bundles' build time against its work units, and the last per-request budget.
+        #: the fit of a batch of bundles' build time against its work units, and recent seconds per unit.
         self.verify_s: float | None = None
         self.build_cost = LinearCost(decay=0.95)
         self.build_s_per_unit: float | None = None
-        self.fanout_budget = config.fanout.budget
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def add(self, seq: Sequence, k: int) -> None:
@@ -223,10 +227,9 @@ class SSDDrafter:
     def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
         """Glue forward, fork, and K batched tree-decode steps for every request (module docstring). A request
         whose K/V does not fit in the pool gets an empty bundle (its next round misses)."""
-        # each request's glue forward: its tokens not yet computed, and the speculation's nodes
-        glue = [r.seq.num_tokens - min(r.num_computed, r.seq.num_tokens - 1) + s.num_nodes for r, s in zip(reqs, specs)]
-        self.fanout_budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
-        fans = [self._fit_fanout(r, s, self.fanout_budget) for r, s in zip(reqs, specs)]
+        glue = [r.seq.num_tokens - _glue_start(r) + s.num_nodes for r, s in zip(reqs, specs)]  # glue forward tokens
+        budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
+        fans = [self._fit_fanout(r, s, budget) for r, s in zip(reqs, specs)]
         kept = [i for i, fan in enumerate(fans) if fan is not None]
         t0 = time.perf_counter()
         built = iter(self._build([reqs[i] for i in kept], [specs[i] for i in kept], [fans[i] for i in kept])
@@ -286,7 +289,7 @@ class SSDDrafter:
         glue_items = []
         for r, s in zip(reqs, specs):
             rid, n = r.seq.request_id, r.seq.num_tokens
-            c = min(r.num_computed, n - 1)
+            c = _glue_start(r)
             pending = r.seq.token_ids[c:]
             glue_items.append(WorkItem(self._slots(rid, 0, c), pending + s.token_ids,
                                        list(range(c, n)) + [n - 1 + d for d in node_depths(s.tree_parents)],
