@@ -89,6 +89,37 @@ def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.backoff(16).next_hold == 0
 
 
+def _run_until(planner: AdaptiveK, done, limit: int = 1000, **step) -> None:
+    """Drive the planner one step at a time (as :func:`_run_steps`) until ``done()``."""
+    for _ in range(limit):
+        if done():
+            return
+        _run_steps(planner, 1, **step)
+    raise AssertionError("the planner never got there")
+
+
+def test_a_lucky_window_halves_the_hold_instead_of_undoing_it() -> None:
+    """Speculation near break-even: windows fail, then one pays by a hair (noise). The next hold is half the last,
+    not the shortest again, so such a batch spends most of its steps plain; sustained paying windows still bring
+    the hold down to none."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
+    st = planner.backoff(16)
+    lose = dict(b=16, spec_s=0.14, plain_s=0.1, emitted=17)
+    win = dict(b=16, spec_s=0.1, plain_s=0.1, emitted=17)
+    _run_until(planner, lambda: planner.backoffs == 3, **lose)  # holds of 48, 96 and 192 steps
+    assert st.next_hold == 4 * planner.hold
+    _run_until(planner, lambda: st.probing, **win)  # the hold ends; the window after it pays
+    _run_until(planner, lambda: not st.probing, **win)
+    assert planner.backoffs == 3 and st.next_hold == 2 * planner.hold
+    _run_until(planner, lambda: planner.backoffs == 4, **lose)  # it fails again
+    assert st.hold_left == 4 * planner.hold  # not back to the shortest hold
+    _run_until(planner, lambda: st.probing, **win)  # then it pays for good: each window of steps halves the hold
+    _run_until(planner, lambda: not st.probing, **win)
+    assert st.next_hold == 2 * planner.hold
+    _run_steps(planner, 3 * planner.probe_window, **win)
+    assert st.next_hold == 0 and planner.backoffs == 4
+
+
 def test_the_window_after_a_hold_speculates_even_where_estimates_say_plain() -> None:
     """A cold start at batch 1: the first speculating steps lose (the drafter is not warm: waits, rejected backup
     tokens), so the guard backs off, and their misses drag the measured acceptance below break-even, so the model

@@ -32,7 +32,8 @@ Measured back-off. The model above predicts; the guard checks. Each speculating 
 emitted tokens per request over its time in plain steps, ``(emitted / b) · T(b) / step_s`` (plain decoding scores 1).
 Its exponentially weighted mean over a window of ``probe_window`` steps (the first ``warmup`` skipped: an SSD
 drafter that idled has nothing pre-drafted yet) below ``min_gain`` sends the whole batch to plain decoding for
-``hold`` steps, doubling on each failed window up to ``max_hold``; then it speculates again and re-measures: the
+``hold`` steps, doubling on each failed window up to ``max_hold`` (and halving with each window of steps that pays,
+so one lucky window does not undo the failed ones); then it speculates again and re-measures: the
 window after a hold runs every request at K >= 1 whatever the acceptance estimates say, since estimates that only
 move with drafted tokens would otherwise keep a batch plain for good once they fell (as after a cold drafter's
 first rounds, whose misses drag the workload's acceptance down while the guard stops per-request re-probes). So
@@ -173,8 +174,10 @@ class AdaptiveK:
             self.backoffs += 1
             logger.info("speculation measured at %.2fx plain decoding at batch %d: plain for %d steps", st.gain, batch,
                         st.hold_left)
-        elif st.window_steps == self.probe_window:
-            st.next_hold = 0  # a window that paid: the next back-off starts from the shortest hold
+        elif st.window_steps % self.probe_window == 0:
+            # Each window of steps that paid halves the next hold, down to none: one window's goodput is noisy, so
+            # where speculation hovers near break-even a lucky window must not undo what the failed ones measured.
+            st.next_hold = st.next_hold // 2 if st.next_hold > self.hold else 0
 
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
