@@ -51,8 +51,10 @@ def test_ssd_stream_equals_target_greedy(service, greedy_reference) -> None:
     assert len(out.deltas) > 1 and out.final.stats.num_rounds > 0
     stats = server.stats()
     assert stats["drafter_connected"]
-    # Candidate trees over gRPC: the verifier saw trees (more nodes than K per round) and says why rounds missed.
-    assert stats["tree"] == str(SSD_DEFAULT_TREE) and stats["mean_tree_nodes"] > 2, stats
+    # Candidate trees over gRPC: the verifier saw trees (rounds of more nodes than K) and says why rounds missed.
+    # (Not the mean over rounds: it also counts the backup's chains, often empty when the drafter runs late on a
+    # loaded machine, and once measured 1.5 nodes in CI.)
+    assert stats["tree"] == str(SSD_DEFAULT_TREE) and stats["max_tree_nodes"] > 2 and stats["mean_tree_nodes"] > 0
     assert sum(stats["hits_by_outcome"].values()) == stats["ssd_hits"]
     assert sum(stats["misses_by_cause"].values()) == stats["ssd_rounds"] - stats["ssd_hits"]
 

@@ -318,7 +318,8 @@ class VerifierServer:
                                                                      + s.bundle_wait_rounds)
                                                  if s.jit_rounds + s.backup_rounds + s.bundle_wait_rounds else None),
                        fast_backup_steps=s.fast_backup_steps, backup_switch_rounds=proposer.switch_rounds,
-                       tree=str(self.config.spec.tree), mean_tree_nodes=s.mean_tree_nodes, off_spine_rounds=s.off_spine_rounds,
+                       tree=str(self.config.spec.tree), mean_tree_nodes=s.mean_tree_nodes,
+                       max_tree_nodes=s.max_tree_nodes, off_spine_rounds=s.off_spine_rounds,
                        hits_by_outcome={"all_accepted": s.hits_all_accepted, "rejected": s.hits_rejected,
                                         "off_spine": s.hits_off_spine},
                        misses_by_cause={"late": s.misses_late, "unpredicted": s.misses_unpredicted,

@@ -293,6 +293,7 @@ class SSDProposer:
             tokens = len(accepted) + 1
             s = self.stats
             s.tree_nodes += tree.num_nodes
+            s.max_tree_nodes = max(s.max_tree_nodes, tree.num_nodes)
             s.off_spine_rounds += int(slot > len(path))
             if st.jit_attempted:
                 s.jit_attempt_rounds += 1

@@ -39,10 +39,12 @@ class SSDStats:
     bundles_received: int = 0
     branches_received: int = 0
     jit_received: int = 0
-    #: Candidate trees: nodes verified over speculating rounds, rounds whose accepted path left the spine, and
+    #: Candidate trees: nodes verified over speculating rounds (in all, and the most in one round: more than K
+    #: only for a tree, as backups and just-in-time drafts are chains), rounds whose accepted path left the spine, and
     #: hits by the kind of outcome they predicted: all of the spine accepted, a rejection on it, or a path
     #: through an off-spine node.
     tree_nodes: int = 0
+    max_tree_nodes: int = 0
     off_spine_rounds: int = 0
     hits_all_accepted: int = 0
     hits_rejected: int = 0
