@@ -30,7 +30,8 @@ class KVCache:
 
 
 class PagedKVCache:
-    """A pool of K/V slots: ``[num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim]`` each.
+    """A pool of K/V slots: ``kv [num_layers, num_blocks * block_size + 1, 2 * num_kv_heads, head_dim]``, a slot's
+    K heads then its V heads, so one layer writes and gathers its K/V with one copy each (``k`` and ``v`` are views).
 
     The extra last slot is scratch: padded batch entries write there and are never attended.
     """
@@ -38,11 +39,19 @@ class PagedKVCache:
     def __init__(self, spec: ArchSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_slots = num_blocks * block_size
-        shape = (spec.num_layers, self.num_slots + 1, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_kv_heads = spec.num_kv_heads
+        shape = (spec.num_layers, self.num_slots + 1, 2 * spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, :, : self.num_kv_heads]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, :, self.num_kv_heads :]
 
     @property
     def scratch_slot(self) -> int:
@@ -52,9 +61,8 @@ class PagedKVCache:
         """Move K/V between slots (KV reconciliation after a tree verification)."""
         if src == dst:
             return
-        s, d = to_device([src, dst], self.k.device, torch.long)
-        self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        s, d = to_device([src, dst], self.kv.device, torch.long)
+        self.kv[:, d] = self.kv[:, s]
 
 
 @dataclass(slots=True)
@@ -63,7 +71,8 @@ class PagedBatch:
 
     input_ids, positions, write_slots: ``[B, T]`` (pad entries write the scratch slot).
     kv_slots: ``[B, S]`` physical slots each row attends, in any order (pad = scratch).
-    attn_mask: ``[B, T, S]`` bool; every query row must see at least one slot (pads see their own scratch).
+    attn_mask: ``[B, T, S]`` bool; every query row must see at least one slot (pads see their own scratch). None
+        when every query sees every slot (decode rows of equal length): attention then skips the mask.
     logits_index: ``[B, T']`` rows of T whose logits are returned (None = all).
     """
 
@@ -71,5 +80,5 @@ class PagedBatch:
     positions: torch.Tensor
     write_slots: torch.Tensor
     kv_slots: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     logits_index: torch.Tensor | None = None

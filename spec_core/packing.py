@@ -63,7 +63,8 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
     """Build the padded tensors for :meth:`ModelRunner.forward_paged`, with one upload.
 
     The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
-    the bool mask) that crosses to the device in a single copy; the device views it back into fields.
+    the bool mask) that crosses to the device in a single copy; the device views it back into fields. A mask that
+    hides nothing is left out.
     """
     bsz = len(items)
     t_max = max(len(it.token_ids) for it in items)
@@ -89,6 +90,8 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         mask[b, :t, p + e : p + e + t] = new_token_mask(it.num_pending, it.parents)
         mask[b, t:, 0] = True  # pad queries see one slot, so softmax stays finite; their output is unused
     n_int = ints.numel() * 8
+    if bool(mask.all()):
+        mask = mask[:0]
     staged = torch.cat([ints.view(-1).view(torch.uint8), mask.view(-1).view(torch.uint8)])
     buf = to_device(staged, device)
     fields = buf[:n_int].view(torch.long).view(bsz, -1).split(widths, dim=1)
@@ -97,7 +100,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         positions=fields[1],
         write_slots=fields[2].contiguous(),
         kv_slots=fields[3].contiguous(),
-        attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max),
+        attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max) if mask.numel() else None,
         logits_index=fields[4],
     )
 

@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import resolve_model
+from spec_core.ops import RMSNorm, rope_, signed_sin
 from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
 from spec_core.transfer import to_device
 
@@ -101,21 +102,6 @@ class ArchSpec:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale. (torch's ``F.rms_norm`` gives the same fp32
-    bits but measured 5% slower a decode step here.)"""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos/sin: [B, 1, T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def _t(w: torch.Tensor) -> torch.Tensor:
     """Store a Linear weight transposed (``[in, out]``, contiguous): ``x @ w_t`` is markedly faster than
     ``F.linear(x, w)`` for the few-row products of decoding on CPU in fp32 (about 2x for the LM head)."""
@@ -136,10 +122,11 @@ class Layer:
     """One decoder layer's weights (transposed), with q/k/v and gate/up fused for fewer kernel calls.
 
     Built from the host checkpoint ``w``, whose entries it consumes (pops); ``place`` moves a tensor to the device
-    in the compute dtype, and each fused matrix is placed once finished, so the device never holds a layer twice.
+    in the compute dtype, and each fused matrix is placed once finished, so the device never holds a layer twice;
+    ``norm`` makes a norm weight an :class:`~spec_core.ops.RMSNorm`.
     """
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec, place) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, spec: ArchSpec, place, norm) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         take = w.pop
 
@@ -154,12 +141,12 @@ class Layer:
         )
         self.o = dense(take(f"{a}.o_proj.weight"))
         q_norm, k_norm = w.pop(f"{a}.q_norm.weight", None), w.pop(f"{a}.k_norm.weight", None)
-        self.q_norm = place(q_norm) if q_norm is not None else None
-        self.k_norm = place(k_norm) if k_norm is not None else None
+        self.q_norm = norm(place(q_norm)) if q_norm is not None else None
+        self.k_norm = norm(place(k_norm)) if k_norm is not None else None
         self.gate_up = dense(torch.cat([take(f"{m}.gate_proj.weight"), take(f"{m}.up_proj.weight")]))
         self.down = dense(take(f"{m}.down_proj.weight"))
-        self.ln_attn = place(take(f"{prefix}.input_layernorm.weight"))
-        self.ln_mlp = place(take(f"{prefix}.post_attention_layernorm.weight"))
+        self.ln_attn = norm(place(take(f"{prefix}.input_layernorm.weight")))
+        self.ln_mlp = norm(place(take(f"{prefix}.post_attention_layernorm.weight")))
 
     def quantize(self, fmt: str) -> None:
         """Weight-only matrices in ``fmt`` (see :mod:`spec_core.quant`)."""
@@ -223,10 +210,17 @@ class ModelRunner:
         self.lm_head = dense_layout(head)
         if weights is not None:
             self.lm_head = quantize(self.lm_head, HEAD_FORMAT.get(weights, weights))
-        self.norm = place(raw.pop("model.norm.weight"))
+        #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
+        #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement.
+        self.exact = dtype == torch.float32 and weights is None
+
+        def norm(weight: torch.Tensor) -> RMSNorm:
+            return RMSNorm.build(weight, self.spec.rms_norm_eps, fused=not self.exact)
+
+        self.norm = norm(place(raw.pop("model.norm.weight")))
         self.layers = []
         for i in range(self.spec.num_layers):
-            layer = Layer(raw, f"model.layers.{i}", self.spec, place)
+            layer = Layer(raw, f"model.layers.{i}", self.spec, place, norm)
             if weights is not None:
                 layer.quantize(weights)
             self.layers.append(layer)
@@ -235,7 +229,7 @@ class ModelRunner:
         positions = torch.arange(self.spec.max_positions)[None]
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
         self.cos = cos[0].to(device=self.device, dtype=dtype)
-        self.sin = sin[0].to(device=self.device, dtype=dtype)
+        self.sin_signed = signed_sin(sin[0]).to(device=self.device, dtype=dtype)
         #: CPU attention over bf16/fp16 K/V runs in fp32: torch's half-precision CPU attention kernel is several
         #: times slower for decode rows (200 us against 45 us per layer here), and fp32 is the more exact of the two.
         self.attention_in_fp32 = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
@@ -253,7 +247,7 @@ class ModelRunner:
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: the matrices, the norms and one embedding row."""
-        norms = [self.norm] + [n for layer in self.layers for n in (layer.ln_attn, layer.ln_mlp)]
+        norms = [n.weight for n in [self.norm] + [n for layer in self.layers for n in (layer.ln_attn, layer.ln_mlp)]]
         tensors = self.weight_matrices() + norms + [self.embed[0]]
         return sum(nbytes(t) for t in tensors)
 
@@ -304,12 +298,15 @@ class ModelRunner:
             attn_mask = torch.arange(kv_len, device=self.device)[None, None, :] <= positions[:, :, None]
         row_idx = rows[:, None].expand(bsz, t)
 
-        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            cache.k[li][row_idx, :, slots] = k.transpose(1, 2)
-            cache.v[li][row_idx, :, slots] = v.transpose(1, 2)
+        def store(li: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            hkv = kv.shape[2] // 2
+            cache.k[li][row_idx, :, slots] = kv[:, :, :hkv]
+            cache.v[li][row_idx, :, slots] = kv[:, :, hkv:]
             if contiguous_rows:
-                return cache.k[li][:bsz, :, :kv_len], cache.v[li][:bsz, :, :kv_len]
-            return cache.k[li][rows, :, :kv_len], cache.v[li][rows, :, :kv_len]
+                keys, values = cache.k[li][:bsz, :, :kv_len], cache.v[li][:bsz, :, :kv_len]
+            else:
+                keys, values = cache.k[li][rows, :, :kv_len], cache.v[li][rows, :, :kv_len]
+            return self._for_attention(keys), self._for_attention(values)
 
         with attention_kernels(self.device):
             return self._run(input_ids, positions, store, attn_mask, logits_index)
@@ -321,49 +318,44 @@ class ModelRunner:
         write = batch.write_slots.reshape(-1)
         flat_kv = batch.kv_slots.reshape(-1)
 
-        def store(li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            heads, dim = k.shape[1], k.shape[3]
-            cache.k[li].index_copy_(0, write, k.transpose(1, 2).reshape(bsz * t, heads, dim))
-            cache.v[li].index_copy_(0, write, v.transpose(1, 2).reshape(bsz * t, heads, dim))
-            keys = cache.k[li].index_select(0, flat_kv).view(bsz, -1, heads, dim)  # index_select: 3x a gather
-            return keys.transpose(1, 2), cache.v[li].index_select(0, flat_kv).view(bsz, -1, heads, dim).transpose(1, 2)
+        def store(li: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pool, heads = cache.kv[li], kv.shape[2:]
+            pool.index_copy_(0, write, kv.reshape(bsz * t, *heads))
+            gathered = self._for_attention(pool.index_select(0, flat_kv))  # index_select: 3x a gather
+            return gathered.view(bsz, -1, *heads).transpose(1, 2).split(heads[0] // 2, dim=1)
 
         with attention_kernels(self.device):
             return self._run(batch.input_ids, batch.positions, store, batch.attn_mask, batch.logits_index)
 
+    def _for_attention(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the dtype attention runs in (see ``attention_in_fp32``)."""
+        return x.float() if self.attention_in_fp32 else x
+
     def _run(self, input_ids, positions, store, attn_mask, logits_index) -> torch.Tensor:
-        """The decoder stack; ``store(layer, k, v)`` writes the new K/V and returns the keys/values to attend."""
+        """The decoder stack. ``store(layer, kv)`` writes the new tokens' K/V (``kv [B, T, 2 * kv_heads, D]``, the
+        K heads then the V heads) and returns the keys and values to attend, ``[B, kv_heads, S, D]`` each, in the
+        attention dtype."""
         bsz, t = input_ids.shape
         spec = self.spec
+        heads, kv_heads = spec.num_heads, spec.num_kv_heads
         mask4 = attn_mask[:, None] if attn_mask is not None else None
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = self.cos[positions][:, :, None], self.sin_signed[positions][:, :, None]  # [B, T, 1, D]
         h = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.ln_attn, spec.rms_norm_eps)
-            qkv = matmul(x, layer.qkv, layer.qkv_bias)
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            if layer.q_norm is None:  # q and k heads rotated in one pass (the same elementwise arithmetic)
-                qk = qk.view(bsz, t, spec.num_heads + spec.num_kv_heads, spec.head_dim)
-                q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([spec.num_heads, spec.num_kv_heads], dim=1)
-            else:
-                q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-                q = rms_norm(q.view(bsz, t, spec.num_heads, spec.head_dim), layer.q_norm, spec.rms_norm_eps)
-                k = rms_norm(k.view(bsz, t, spec.num_kv_heads, spec.head_dim), layer.k_norm, spec.rms_norm_eps)
-                q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-            v = v.view(bsz, t, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-            keys, values = store(li, k, v)
-            if self.attention_in_fp32:
-                attn = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=mask4,
-                                                      enable_gqa=True).to(q.dtype)
-            else:
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
-            h = h + matmul(attn.transpose(1, 2).reshape(bsz, t, self.q_size), layer.o)
-            x = rms_norm(h, layer.ln_mlp, spec.rms_norm_eps)
-            gate, up = matmul(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + matmul(F.silu(gate) * up, layer.down)
+            qkv = matmul(layer.ln_attn(h), layer.qkv, layer.qkv_bias).view(bsz, t, -1, spec.head_dim)
+            if layer.q_norm is not None:
+                q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+                qkv = torch.cat((layer.q_norm(q), layer.k_norm(k), v), 2)
+            rope_(qkv[:, :, : heads + kv_heads], cos, sin)  # q and k heads, one pass, in place
+            keys, values = store(li, qkv[:, :, heads:])
+            q = qkv[:, :, :heads].transpose(1, 2).to(keys.dtype)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask4, enable_gqa=True)
+            h.add_(matmul(attn.to(h.dtype).transpose(1, 2).reshape(bsz, t, self.q_size), layer.o))
+            gate, up = matmul(layer.ln_mlp(h), layer.gate_up).chunk(2, dim=-1)
+            h.add_(matmul(F.silu(gate, inplace=True) * up, layer.down))
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
-        h = rms_norm(h, self.norm, spec.rms_norm_eps)
+        h = self.norm(h)
         logits = matmul(h, self.lm_head).float()
         if self.token_map is None:
             return logits
