@@ -9,7 +9,8 @@ Cache addressing. The cache has ``max_rows`` independent rows of ``max_len`` slo
 ``slots`` and a boolean ``attn_mask``.
 
 Exactness. Weights are loaded from the HF safetensors files and the math follows transformers' Llama/Qwen code
-(RMSNorm in fp32, RoPE tables from transformers' own rotary module), so fp32 logits match within 1e-4.
+(RMSNorm in fp32, RoPE tables from transformers' own rotary module), so fp32 logits match within 1e-4. Runners off
+that reference (bf16, int8, int4) take the fused RMSNorm of :mod:`spec_core.ops` and report their agreement.
 
 Reduced output vocabulary. A draft folder may carry ``token_map.json``: the ascending full-vocabulary ids its head
 covers (as EAGLE-3 and FR-Spec drafts do). The head then multiplies by those rows alone, and the logits come back
