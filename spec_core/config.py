@@ -19,9 +19,10 @@ MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "auto": "auto", "int8": "int8",
-           "int4": "int4"}
-#: Weight-only formats: their weights are stored quantized; everything else computes in the given dtype.
-WEIGHT_ONLY = {"int8": "float32", "int4": "float32"}
+           "int4": "int4", "w8a8": "w8a8"}
+#: Quantized formats (weight-only int8 and int4; w8a8 also quantizes the matrices' inputs): their weights are stored
+#: quantized; everything else computes in the given dtype.
+WEIGHT_ONLY = {"int8": "float32", "int4": "float32", "w8a8": "float32"}
 
 
 def check_dtype(name: str) -> str:
@@ -75,7 +76,7 @@ def draft_dtype(name: str) -> str:
 
 
 def weight_format(name: str, device: str = "cpu") -> str | None:
-    """``int8`` or ``int4`` for a weight-only dtype, else None (weights in the compute dtype)."""
+    """``int8``, ``int4`` or ``w8a8`` for a quantized dtype, else None (weights in the compute dtype)."""
     name = resolve_dtype(name, device)
     return name if name in WEIGHT_ONLY else None
 

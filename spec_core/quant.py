@@ -9,6 +9,10 @@
   inputs; fp32 elsewhere, which measured faster than bf16 elsewhere (13 against 18 ms a token here: no casts
   around fp32 attention and norms). A token reads about a third of bf16's weight bytes.
 
+- ``--dtype w8a8``: int8 weights *and* int8 activations (:class:`W8A8Weight`, through fbgemm's dynamically
+  quantized linear: one activation scale per call, integer products on VNNI), with SmoothQuant scales calibrated at
+  load (:mod:`spec_core.w8a8`); fp32 elsewhere.
+
 Embedding rows, norms, RoPE, attention, the KV cache and the logits stay in the compute dtype. Each format is a
 different numeric model from fp32, so its greedy agreement with fp32 is reported, never assumed; the fp32 runner
 stays the exactness reference.
@@ -16,6 +20,7 @@ stays the exactness reference.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -170,7 +175,62 @@ def dequantize(w: Int8Weight) -> torch.Tensor:
     return (w.q.float() * w.scale.float()[:, None]).t()
 
 
-Weight = torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight
+_linear_dynamic = torch.ops.quantized.linear_dynamic.default
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Weight:
+    """A ``[in, out]`` weight as int8 per-output-channel codes prepacked for fbgemm; each call quantizes its input
+    to int8 with one scale (its largest |x|), multiplies in integers and scales back to fp32."""
+
+    packed: object  #: fbgemm's prepacked weight (a torch script object)
+    in_features: int
+    out_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_features * self.out_features + self.out_features * 4
+
+
+def can_w8a8() -> bool:
+    """Whether this torch build has fbgemm's quantized linear (x86 CPUs)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def quantize_w8a8(w_t: torch.Tensor) -> W8A8Weight:
+    """A ``[in, out]`` fp32 weight as a :class:`W8A8Weight`: the int8 codes and scales of :func:`quantize_int8`."""
+    if w_t.device.type != "cpu" or not can_w8a8():
+        raise ValueError("dtype w8a8 runs on x86 CPUs only (fbgemm); on GPUs use bfloat16")
+    q = quantize_int8(w_t)
+    out = q.q.shape[0]
+    with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors (pytorch#184982); fbgemm still takes them
+        warnings.simplefilter("ignore", UserWarning)
+        per_channel = torch._make_per_channel_quantized_tensor(q.q, q.scale.double(),
+                                                               torch.zeros(out, dtype=torch.long), 0)
+    return W8A8Weight(torch.ops.quantized.linear_prepack(per_channel, None), w_t.shape[0], out)
+
+
+@dataclass(slots=True)
+class Observed:
+    """A float weight that records the largest |x| of each input channel it multiplies (calibration)."""
+
+    w: torch.Tensor
+    amax: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    def observe(self, x: torch.Tensor) -> None:
+        m = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float()
+        self.amax = m if self.amax is None else torch.maximum(self.amax, m)
+
+
+Weight = torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight | W8A8Weight | Observed
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,13 +242,18 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):
         return F.linear(x, w.w, bias)
+    if isinstance(w, Observed):
+        w.observe(x)
+        return matmul(x, w.w, bias)
     if bias is not None:
         return matmul(x, w) + bias
-    flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).to(KERNEL_INPUT_DTYPE)
-    if isinstance(w, Int4Weight):
-        y = _int4_mm(flat, w.packed, INT4_GROUP, w.scale_zero)
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if isinstance(w, W8A8Weight):
+        y = _linear_dynamic(flat.float(), w.packed, False)
+    elif isinstance(w, Int4Weight):
+        y = _int4_mm(flat.to(KERNEL_INPUT_DTYPE), w.packed, INT4_GROUP, w.scale_zero)
     else:
-        y = torch._weight_int8pack_mm(flat, w.q, w.scale)
+        y = torch._weight_int8pack_mm(flat.to(KERNEL_INPUT_DTYPE), w.q, w.scale)
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
@@ -204,4 +269,6 @@ def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:
 
 
 def nbytes(t: Weight) -> int:
-    return t.nbytes if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear)) else t.numel() * t.element_size()
+    if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear, W8A8Weight)):
+        return t.nbytes
+    return t.numel() * t.element_size()

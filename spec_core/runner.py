@@ -18,7 +18,8 @@ over the full vocabulary with ``-inf`` outside the map, so the proposal q is exa
 (sampling, the q rows sent to the verifier) sees one full-vocabulary distribution.
 
 Weight formats. ``weights="int8"`` or ``"int4"`` stores every weight matrix (and the LM head) in that weight-only
-format (:mod:`spec_core.quant`); the rest computes in ``dtype``.
+format (:mod:`spec_core.quant`); the rest computes in ``dtype``. ``weights="w8a8"`` quantizes activations too, after a
+calibration pass at load (:mod:`spec_core.w8a8`).
 
 A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`).
 """
@@ -51,7 +52,7 @@ TOKEN_MAP_FILE = "token_map.json"
 #: The LM head's format under a weight-only dtype, where it differs. int4 keeps an int8 head, as the GGUF does
 #: (Q8_0 embeddings beside Q4_1 matrices): an int4 head moved the logits 5x further from fp32 (max 3.6 against
 #: 0.7) to save 0.7 ms a token.
-HEAD_FORMAT = {"int4": "int8"}
+HEAD_FORMAT = {"int4": "int8", "w8a8": "int8"}
 
 
 def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
@@ -184,7 +185,7 @@ class ModelRunner:
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  weights: str | None = None) -> None:
-        if weights not in (None, "int8", "int4"):
+        if weights not in (None, "int8", "int4", "w8a8"):
             raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path)
         self.weights = weights
@@ -222,7 +223,7 @@ class ModelRunner:
         self.layers = []
         for i in range(self.spec.num_layers):
             layer = Layer(raw, f"model.layers.{i}", self.spec, place, norm)
-            if weights is not None:
+            if weights in ("int8", "int4"):
                 layer.quantize(weights)
             self.layers.append(layer)
         del raw
@@ -236,6 +237,12 @@ class ModelRunner:
         self.attention_in_fp32 = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self.q_size = self.spec.num_heads * self.spec.head_dim
         self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
+        if weights == "w8a8":
+            from transformers import AutoTokenizer
+
+            from spec_core import w8a8
+
+            w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(path))))
 
     @property
     def vocab_size(self) -> int:

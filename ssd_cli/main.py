@@ -24,7 +24,7 @@ class CliError(Exception):
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min; both fp32 elsewhere, CPU)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=5, help="SD lookahead (default 5)")
     d.add_argument("--ssd-k", type=int, default=2, help="SSD lookahead (default 2, the best measured on CPU)")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 (default auto)")
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
 
     b = sub.add_parser("bench", help="benchmark modes side by side")

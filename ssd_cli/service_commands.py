@@ -74,7 +74,7 @@ def _add_serve_engine(s) -> None:
     s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
     s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4")
+    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4 | w8a8")
 
 
 

@@ -150,9 +150,10 @@ def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
 def test_weight_only_dtypes_keep_the_draft_in_float():
     from spec_core.config import draft_dtype, parse_dtype, weight_format
 
-    assert draft_dtype("int4") == draft_dtype("int8") == "auto"
+    assert draft_dtype("int4") == draft_dtype("int8") == draft_dtype("w8a8") == "auto"
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
+    assert str(parse_dtype("w8a8")) == "torch.float32" and weight_format("w8a8") == "w8a8"
 
 
 def test_bf16_weights_are_prepacked_and_match_f_linear_bit_for_bit(toy_pair):

@@ -146,9 +146,10 @@ def test_bf16_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, 
     assert first >= 0.75 * len(prompts), first
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "w8a8"])
 def test_weight_only_greedy_agreement_is_reported(fmt, real_pair, pair, prompts, hf_greedy, report, tmp_path):
-    """A weight-only format (int8, or int4: the GGUF's own Q4_1 codes) is its own numeric model, and not a
+    """A quantized format (int8, int4: the GGUF's own Q4_1 codes, or w8a8: int8 activations too) is its own numeric
+    model, and not a
     batch-invariant one: its kernel rounds every product to bf16, so a verify over K+1 rows and a single-row step can round a near-tie differently (as bf16 engines do).
     Its agreement with fp32, and SD's and SSD's with its own AR, are reported, not asserted."""
     from spec_core.config import ModelConfig

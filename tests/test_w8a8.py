@@ -1,0 +1,94 @@
+"""``--dtype w8a8``: int8 weights and activations through fbgemm, with SmoothQuant scales calibrated at load
+(:mod:`spec_core.w8a8`). Its greedy agreement with fp32 on the real pair is reported in ``test_real_pair.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_core.quant import Observed, W8A8Weight, can_w8a8, matmul, nbytes, quantize_w8a8
+
+pytestmark = pytest.mark.skipif(not can_w8a8(), reason="this torch build has no fbgemm (x86 CPUs only)")
+
+
+def test_w8a8_matmul_is_near_fp32_and_reads_a_quarter_of_the_bytes():
+    gen = torch.Generator().manual_seed(3)
+    w_t = torch.randn(96, 40, generator=gen)  # [in, out]
+    q = quantize_w8a8(w_t)
+    assert isinstance(q, W8A8Weight) and q.shape == (96, 40) and nbytes(q) == 96 * 40 + 40 * 4
+    for x in (torch.randn(1, 96, generator=gen), torch.randn(2, 5, 96, generator=gen)):
+        got, ref = matmul(x, q), x @ w_t
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        assert (got - ref).abs().max() < 0.03 * ref.abs().max()
+    # one scale per call: a row with a huge value coarsens its batch-mate's quantization (not batch-invariant)
+    x = torch.randn(2, 96, generator=gen)
+    loud = torch.cat([x[:1], x[1:] * 1000])
+    assert not torch.equal(matmul(x, q)[0], matmul(loud, q)[0])
+
+
+def test_observed_weight_records_each_input_channels_largest_value():
+    w = Observed(torch.randn(4, 3))
+    x = torch.tensor([[1.0, -5.0, 2.0, 0.0], [-3.0, 1.0, 0.5, 0.25]])
+    assert torch.allclose(matmul(x, w), x @ w.w)
+    matmul(x[:1] * 2, w)
+    assert torch.equal(w.amax, torch.tensor([3.0, 10.0, 4.0, 0.25]))
+
+
+def _qwen2(path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(7)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                      max_position_embeddings=512)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
+    """Folding the SmoothQuant scales (into the norms, and into V for the output projection, shared across the
+    query heads of a K/V head) leaves the fp32 model's function unchanged: Llama (GQA), Qwen3 (q/k norms) and
+    Qwen2 (q/k/v biases)."""
+    from spec_core.runner import ModelRunner
+    from spec_core.w8a8 import input_ranges, smooth_layer
+
+    path = _qwen2(tmp_path / "qwen2") if family == "qwen2" else tiny_models[family]
+    runner = ModelRunner(path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (12, 20)]
+    ids = torch.tensor([prompts[0]])
+
+    def logits():
+        return runner.forward(runner.new_cache(1, 12), ids, torch.arange(12)[None])
+
+    before = logits()
+    ranges = input_ranges(runner, prompts)
+    assert all(isinstance(m, torch.Tensor) for m in runner.weight_matrices())  # calibration left no wrappers
+    assert ranges[0]["qkv"].shape == (64,) and (ranges[0]["down"] > 0).all()
+    for layer, amax in zip(runner.layers, ranges):
+        smooth_layer(layer, amax, runner.spec)
+    assert not torch.equal(runner.layers[0].ln_attn.weight, ModelRunner(path).layers[0].ln_attn.weight)
+    after = logits()
+    assert (after - before).abs().max() < 1e-4 * before.abs().max()
+
+
+def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
+    from spec_core.quant import Int8Weight
+    from spec_core.runner import ModelRunner
+
+    ref = ModelRunner(toy_pair["target"])
+    runner = ModelRunner(toy_pair["target"], weights="w8a8")
+    layer = runner.layers[0]
+    assert all(isinstance(m, W8A8Weight) for m in (layer.qkv, layer.o, layer.gate_up))
+    assert isinstance(layer.down, Int8Weight) and isinstance(runner.lm_head, Int8Weight)
+    assert not runner.exact and 3.5 * runner.weight_bytes_per_token() < ref.weight_bytes_per_token()
+    ids = torch.tensor([list(range(40, 72))])
+    a = ref.forward(ref.new_cache(1, 32), ids, torch.arange(32)[None])
+    b = runner.forward(runner.new_cache(1, 32), ids, torch.arange(32)[None])
+    assert torch.nn.functional.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).min() > 0.98
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    with pytest.raises(ValueError, match="dense fp32"):
+        from spec_core.w8a8 import convert
+
+        convert(runner, [[1, 2, 3]])
