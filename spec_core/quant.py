@@ -11,7 +11,7 @@
 
 - ``--dtype w8a8``: int8 weights *and* int8 activations (:class:`W8A8Weight`, through fbgemm's dynamically
   quantized linear: one activation scale per call, integer products on VNNI), with SmoothQuant scales calibrated at
-  load (:mod:`spec_core.w8a8`); fp32 elsewhere.
+  load (:mod:`spec_core.w8a8`); fp32 elsewhere, with a bf16 LM head.
 
 Embedding rows, norms, RoPE, attention, the KV cache and the logits stay in the compute dtype. Each format is a
 different numeric model from fp32, so its greedy agreement with fp32 is reported, never assumed; the fp32 runner
@@ -239,6 +239,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if isinstance(w, torch.Tensor):
         return x @ w if bias is None else torch.addmm(bias, x.flatten(0, -2), w).view(*x.shape[:-1], w.shape[1])
     if isinstance(w, PackedLinear):
+        if x.dtype != torch.bfloat16:  # a bf16 matrix inside a float32 model (w8a8's down projection and head)
+            return matmul(x.to(torch.bfloat16), w, bias).to(x.dtype)
         return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):
         return F.linear(x, w.w, bias)

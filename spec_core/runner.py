@@ -52,7 +52,7 @@ TOKEN_MAP_FILE = "token_map.json"
 #: The LM head's format under a weight-only dtype, where it differs. int4 keeps an int8 head, as the GGUF does
 #: (Q8_0 embeddings beside Q4_1 matrices): an int4 head moved the logits 5x further from fp32 (max 3.6 against
 #: 0.7) to save 0.7 ms a token.
-HEAD_FORMAT = {"int4": "int8", "w8a8": "int8"}
+HEAD_FORMAT = {"int4": "int8"}
 
 
 def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
@@ -210,7 +210,7 @@ class ModelRunner:
         if self.token_map is not None:
             head = head[self.token_map]
         self.lm_head = dense_layout(head)
-        if weights is not None:
+        if weights in ("int8", "int4"):
             self.lm_head = quantize(self.lm_head, HEAD_FORMAT.get(weights, weights))
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
         #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement.

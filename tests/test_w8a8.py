@@ -47,8 +47,8 @@ def _qwen2(path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
-    """Folding the SmoothQuant scales (into the norms, and into V for the output projection, shared across the
-    query heads of a K/V head) leaves the fp32 model's function unchanged: Llama (GQA), Qwen3 (q/k norms) and
+    """Folding the SmoothQuant scales (into the norms, into V for the output projection, shared across the query
+    heads of a K/V head, and into up's columns for the down projection) leaves the fp32 model's function unchanged: Llama (GQA), Qwen3 (q/k norms) and
     Qwen2 (q/k/v biases)."""
     from spec_core.runner import ModelRunner
     from spec_core.w8a8 import input_ranges, smooth_layer
@@ -63,9 +63,9 @@ def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
         return runner.forward(runner.new_cache(1, 12), ids, torch.arange(12)[None])
 
     before = logits()
-    ranges = input_ranges(runner, prompts)
+    ranges, head = input_ranges(runner, prompts)
     assert all(isinstance(m, torch.Tensor) for m in runner.weight_matrices())  # calibration left no wrappers
-    assert ranges[0]["qkv"].shape == (64,) and (ranges[0]["down"] > 0).all()
+    assert ranges[0]["qkv"].shape == head.shape == (64,) and (ranges[0]["down"] > 0).all()
     for layer, amax in zip(runner.layers, ranges):
         smooth_layer(layer, amax, runner.spec)
     assert not torch.equal(runner.layers[0].ln_attn.weight, ModelRunner(path).layers[0].ln_attn.weight)
@@ -74,15 +74,16 @@ def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
 
 
 def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
-    from spec_core.quant import Int8Weight
+    from spec_core.quant import LinearWeight, PackedLinear
     from spec_core.runner import ModelRunner
 
     ref = ModelRunner(toy_pair["target"])
     runner = ModelRunner(toy_pair["target"], weights="w8a8")
     layer = runner.layers[0]
-    assert all(isinstance(m, W8A8Weight) for m in (layer.qkv, layer.o, layer.gate_up))
-    assert isinstance(layer.down, Int8Weight) and isinstance(runner.lm_head, Int8Weight)
-    assert not runner.exact and 3.5 * runner.weight_bytes_per_token() < ref.weight_bytes_per_token()
+    assert all(isinstance(m, W8A8Weight) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(runner.lm_head, (PackedLinear, LinearWeight)) and nbytes(runner.lm_head) == nbytes(
+        ref.lm_head) // 2  # a bf16 head
+    assert not runner.exact and 2 * runner.weight_bytes_per_token() < ref.weight_bytes_per_token()
     ids = torch.tensor([list(range(40, 72))])
     a = ref.forward(ref.new_cache(1, 32), ids, torch.arange(32)[None])
     b = runner.forward(runner.new_cache(1, 32), ids, torch.arange(32)[None])
