@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from spec_core.quant import LinearWeight, Observed, PackedLinear, can_prepack, quantize_int8, quantize_w8a8
+from spec_core.quant import LinearWeight, Observed, PackedLinear, can_prepack, can_w8a8, quantize_int8, quantize_w8a8
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ def convert(runner, prompts: list[list[int]], alpha: float = ALPHA) -> None:
     matrices (module docstring)."""
     if runner.dtype != torch.float32 or not all(isinstance(m, torch.Tensor) for m in runner.weight_matrices()[:-1]):
         raise ValueError("w8a8 converts a runner with dense fp32 matrices")
+    if runner.device.type != "cpu" or not can_w8a8():
+        raise ValueError("dtype w8a8 runs on x86 CPUs only (fbgemm); on GPUs use bfloat16")
     t0 = time.perf_counter()
     ranges, head_amax = input_ranges(runner, prompts)
     for layer, amax in zip(runner.layers, ranges):
