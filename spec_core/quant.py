@@ -201,10 +201,15 @@ def can_w8a8() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def require_w8a8(device: torch.device) -> None:
+    """``ValueError`` unless ``device`` can run w8a8: a CPU, with fbgemm in this torch build."""
+    if device.type != "cpu" or not can_w8a8():
+        raise ValueError("dtype w8a8 runs on x86 CPUs only (fbgemm); on GPUs use bfloat16")
+
+
 def quantize_w8a8(w_t: torch.Tensor) -> W8A8Weight:
     """A ``[in, out]`` fp32 weight as a :class:`W8A8Weight`: the int8 codes and scales of :func:`quantize_int8`."""
-    if w_t.device.type != "cpu" or not can_w8a8():
-        raise ValueError("dtype w8a8 runs on x86 CPUs only (fbgemm); on GPUs use bfloat16")
+    require_w8a8(w_t.device)
     q = quantize_int8(w_t)
     out = q.q.shape[0]
     with warnings.catch_warnings():  # torch 2.13 deprecates quantized tensors (pytorch#184982); fbgemm still takes them
@@ -239,7 +244,7 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if isinstance(w, torch.Tensor):
         return x @ w if bias is None else torch.addmm(bias, x.flatten(0, -2), w).view(*x.shape[:-1], w.shape[1])
     if isinstance(w, PackedLinear):
-        if x.dtype != torch.bfloat16:  # a bf16 matrix inside a float32 model (w8a8's down projection and head)
+        if x.dtype != torch.bfloat16:  # a bf16 matrix inside a float32 model (w8a8's LM head)
             return matmul(x.to(torch.bfloat16), w, bias).to(x.dtype)
         return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):

@@ -34,7 +34,8 @@ import time
 
 import torch
 
-from spec_core.quant import LinearWeight, Observed, PackedLinear, can_prepack, can_w8a8, quantize_int8, quantize_w8a8
+from spec_core.quant import Observed, quantize_w8a8, require_w8a8
+from spec_core.runner import dense_layout
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,6 @@ ALPHA = 0.75
 #: chat template, the last 6 prompts of the chat set.
 CALIBRATION = (range(10, 20), 6)
 _MATRICES = ("qkv", "o", "gate_up", "down")
-#: The down projection's format and the LM head's (:func:`_in_format`); see the module docstring.
-DOWN = "w8a8"
-HEAD = "bf16"
 
 
 def calibration_ids(tokenizer) -> list[list[int]]:
@@ -62,13 +60,11 @@ def calibration_ids(tokenizer) -> list[list[int]]:
     return [encode(tokenizer, p) for p in prompts]
 
 
-def input_ranges(runner, prompts: list[list[int]]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
-    """Each layer's largest |x| per input channel of each matrix, and the LM head's, over fp32 prefills of
-    ``prompts``."""
+def input_ranges(runner, prompts: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """Each layer's largest |x| per input channel of each matrix, over fp32 prefills of ``prompts``."""
     for layer in runner.layers:
         for name in _MATRICES:
             setattr(layer, name, Observed(getattr(layer, name)))
-    runner.lm_head = Observed(runner.lm_head)
     try:
         for ids in prompts:
             cache = runner.new_cache(1, len(ids))
@@ -79,18 +75,7 @@ def input_ranges(runner, prompts: list[list[int]]) -> tuple[list[dict[str, torch
             ranges.append({name: getattr(layer, name).amax for name in _MATRICES})
             for name in _MATRICES:
                 setattr(layer, name, getattr(layer, name).w)
-        head_amax, runner.lm_head = runner.lm_head.amax, runner.lm_head.w
-    return ranges, head_amax
-
-
-def _in_format(w_t: torch.Tensor, fmt: str):
-    """A ``[in, out]`` fp32 matrix in ``fmt``: ``w8a8``, ``int8`` (weight-only) or ``bf16`` (prepacked for oneDNN)."""
-    if fmt == "w8a8":
-        return quantize_w8a8(w_t)
-    if fmt == "int8":
-        return quantize_int8(w_t)
-    w = w_t.t().contiguous().to(torch.bfloat16)
-    return PackedLinear.pack(w) if can_prepack(w) else LinearWeight(w)
+    return ranges
 
 
 def smoothing(w_t: torch.Tensor, amax: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
@@ -103,7 +88,7 @@ def _divided(norm, s: torch.Tensor):
     return type(norm).build(norm.weight / s, norm.eps, fused=norm.doubled is not None)
 
 
-def smooth_layer(layer, amax: dict[str, torch.Tensor], spec, alpha: float = ALPHA, smooth_down: bool = True) -> None:
+def smooth_layer(layer, amax: dict[str, torch.Tensor], spec, alpha: float = ALPHA) -> None:
     """Fold smoothing scales into one layer's fp32 weights (``[in, out]``) and norms: the same function in exact
     arithmetic. The output projection's scales are shared by the query heads of one K/V head (GQA), as the V
     channel they divide is."""
@@ -121,10 +106,9 @@ def smooth_layer(layer, amax: dict[str, torch.Tensor], spec, alpha: float = ALPH
     s = smoothing(layer.gate_up, amax["gate_up"], alpha)
     layer.gate_up = layer.gate_up * s[:, None]
     layer.ln_mlp = _divided(layer.ln_mlp, s)
-    if smooth_down:  # the down projection's input is silu(gate) * up: its scale divides up's columns
-        s = smoothing(layer.down, amax["down"], alpha)
-        layer.down = layer.down * s[:, None]
-        layer.gate_up[:, layer.gate_up.shape[1] // 2:] /= s[None, :]
+    s = smoothing(layer.down, amax["down"], alpha)  # the down projection's input is silu(gate) * up
+    layer.down = layer.down * s[:, None]
+    layer.gate_up[:, layer.gate_up.shape[1] // 2:] /= s[None, :]
 
 
 def convert(runner, prompts: list[list[int]], alpha: float = ALPHA) -> None:
@@ -132,17 +116,10 @@ def convert(runner, prompts: list[list[int]], alpha: float = ALPHA) -> None:
     matrices (module docstring)."""
     if runner.dtype != torch.float32 or not all(isinstance(m, torch.Tensor) for m in runner.weight_matrices()[:-1]):
         raise ValueError("w8a8 converts a runner with dense fp32 matrices")
-    if runner.device.type != "cpu" or not can_w8a8():
-        raise ValueError("dtype w8a8 runs on x86 CPUs only (fbgemm); on GPUs use bfloat16")
+    require_w8a8(runner.device)
     t0 = time.perf_counter()
-    ranges, head_amax = input_ranges(runner, prompts)
-    for layer, amax in zip(runner.layers, ranges):
-        smooth_layer(layer, amax, runner.spec, alpha, smooth_down=DOWN == "w8a8")
-        layer.qkv, layer.o, layer.gate_up = (quantize_w8a8(m) for m in (layer.qkv, layer.o, layer.gate_up))
-        layer.down = _in_format(layer.down, DOWN)
-    if HEAD == "w8a8":
-        s = smoothing(runner.lm_head, head_amax, alpha)
-        runner.norm = _divided(runner.norm, s)
-        runner.lm_head = runner.lm_head * s[:, None]
-    runner.lm_head = _in_format(runner.lm_head, HEAD)
+    for layer, amax in zip(runner.layers, input_ranges(runner, prompts)):
+        smooth_layer(layer, amax, runner.spec, alpha)
+        layer.qkv, layer.o, layer.gate_up, layer.down = (quantize_w8a8(getattr(layer, name)) for name in _MATRICES)
+    runner.lm_head = dense_layout(runner.lm_head.t().to(torch.bfloat16))  # the head stays bf16 (module docstring)
     logger.info("w8a8: calibrated on %d prompts and quantized in %.1fs", len(prompts), time.perf_counter() - t0)
