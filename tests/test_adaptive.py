@@ -71,9 +71,11 @@ def test_measured_backoff_stops_speculation_that_loses() -> None:
     # The model is told speculation is nearly free (flat cost, a flattering prior), but each speculating step
     # measures 1.4x a plain one's time for 1.2x its tokens: the guard backs the batch off to plain decoding.
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
-    ks = _run_steps(planner, 200, b=16, spec_s=0.14, plain_s=0.1, emitted=19)
-    assert planner.backoffs >= 2 and planner.backoff_steps > 150
-    assert sum(k > 0 for k in ks) < 40  # probing windows only, and the holds grow
+    ks = _run_steps(planner, 400, b=16, spec_s=0.14, plain_s=0.1, emitted=19)
+    assert planner.backoffs >= 3 and planner.backoff_steps > 300
+    probe = sum(planner.window(16))  # speculating steps before each judgement
+    assert planner.window(16) == (2, 6) and planner.window(1) == (planner.warmup, planner.probe_window)
+    assert sum(k > 0 for k in ks) <= (planner.backoffs + 1) * probe  # probing windows only, and the holds grow
     assert planner.backoff(16).next_hold > planner.hold
     # The same model where speculation really pays (2x the tokens for 1.3x the time) never backs off.
     paying = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
@@ -83,8 +85,8 @@ def test_measured_backoff_stops_speculation_that_loses() -> None:
 
 def test_measured_backoff_returns_when_speculation_pays_again() -> None:
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
-    _run_steps(planner, 20, b=16, spec_s=0.14, plain_s=0.1, emitted=17)
-    assert planner.backoffs == 1 and planner.backoff(16).hold_left > 0
+    _run_until(planner, lambda: planner.backoffs == 1, b=16, spec_s=0.14, plain_s=0.1, emitted=17)
+    assert planner.backoff(16).hold_left > 0
     ks = _run_steps(planner, planner.backoff(16).hold_left + 40, b=16, spec_s=0.12, plain_s=0.1, emitted=30)
     assert planner.backoffs == 1 and sum(k > 0 for k in ks[-30:]) >= 27 and planner.backoff(16).next_hold == 0
 
@@ -121,22 +123,26 @@ def test_a_lucky_window_halves_the_hold_instead_of_undoing_it() -> None:
 
 
 def test_the_window_after_a_hold_speculates_even_where_estimates_say_plain() -> None:
-    """A cold start at batch 1: the first speculating steps lose (the drafter is not warm: waits, rejected backup
-    tokens), so the guard backs off, and their misses drag the measured acceptance below break-even, so the model
-    alone would plan K = 0 for good (the guard stops per-request re-probes once it has measured a loss). The
-    window after the hold still speculates, measures that speculation now pays, and speculation resumes."""
+    """After a cold start the guard holds the batch plain, and the cold rounds' misses have dragged the measured
+    acceptance below break-even, so the model alone would plan K = 0 for good (the guard stops per-request
+    re-probes once it has measured a loss). The window after the hold still speculates, measures that speculation
+    now pays, and speculation resumes."""
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.03, 0.009))  # V(1) = 1.23: pays above an acceptance of ~0.23
-    accepted = drafted = 0
+    planner.observe_step(1, 0.036, 1, 1)  # a plain step measured
+    st = planner.backoff(1)
+    st.hold_left = st.next_hold = planner.hold  # as after the cold start's failed windows
+    accepted, drafted = 0, 40  # the cold rounds: nothing accepted
+    assert planner.acceptance(accepted, drafted) < 0.2
     ks = []
-    for step in range(200):
+    for step in range(40, 240):
         k = planner.plan({"r": (accepted, drafted, step)})["r"]
-        warm = step >= 20
         drafted += k
-        accepted += round(k * 0.9) if warm else 0
-        spec_s, emitted = (0.045, 1 + round(0.9 * k)) if warm else (0.06, 1)
-        planner.observe_step(1 + k, spec_s if k else 0.036, emitted if k else 1, 1)
+        accepted += round(k * 0.9)
+        planner.observe_step(1 + k, 0.045 if k else 0.036, 1 + round(0.9 * k) if k else 1, 1)
         ks.append(k)
-    assert planner.backoffs >= 1 and planner.backoff_steps >= planner.hold
+    assert ks[:planner.hold] == [0] * planner.hold and planner.backoffs == 0
+    window = ks[planner.hold:planner.hold + sum(planner.window(1))]
+    assert sum(k > 0 for k in window) >= len(window) - 2, window  # all but the periodic plain steps
     assert planner.acceptance(accepted, drafted) > 0.6  # re-measured: the estimate followed the drafted tokens
     assert sum(k > 0 for k in ks[-60:]) >= 50 and planner.backoff(1).next_hold == 0
 
@@ -147,7 +153,7 @@ def test_backoff_is_kept_per_batch_size_range() -> None:
 
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 2, 2, 3, 3, 4, 4, 5, 5]
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
-    _run_steps(planner, 20, b=16, spec_s=0.14, plain_s=0.1, emitted=17)  # loses at 16: held
+    _run_until(planner, lambda: planner.backoffs == 1, b=16, spec_s=0.14, plain_s=0.1, emitted=17)  # loses at 16
     held = planner.backoff(16).hold_left
     assert planner.backoffs == 1 and held > 0 and planner.backoff(1).hold_left == 0
     ks = _run_steps(planner, 30, b=1, spec_s=0.02, plain_s=0.015, emitted=3)  # pays at 1: 3 tokens for 1.33x
@@ -223,6 +229,44 @@ def test_plain_steps_are_measured_not_fitted() -> None:
     paying = AdaptiveK(k_max=3, cost=LinearCost())
     spec = _run_concave(paying, 300, emitted=40)
     assert paying.backoffs == 0 and spec > 180, (paying.backoffs, spec)  # (plain probes, and K = 0 where marginal)
+
+
+def test_waits_no_hit_could_avoid_are_left_out_of_the_cost_fit() -> None:
+    """An SSD step that re-probes after plain rounds (or whose drafter is still on the prompt) waits for drafts by
+    construction. Those seconds (``cold_s``) stay out of the fit and the measured plain time, so the planner prices
+    a drafted token at what steady speculation costs; the back-off's goodput keeps the whole step."""
+    fitted, whole = AdaptiveK(k_max=3), AdaptiveK(k_max=3)
+    for planner, honest in ((fitted, True), (whole, False)):
+        for _ in range(16):
+            planner.observe_step(1, 0.018, 1, 1)  # plain steps
+            planner.observe_step(4, 0.021 + 0.017, 2, 1, cold_s=0.017 if honest else 0.0)  # K = 3, 17 ms waiting
+    assert fitted.cost.time(4) / fitted.cost.time(1) == pytest.approx(0.021 / 0.018, rel=1e-3)
+    assert whole.cost.time(4) / whole.cost.time(1) == pytest.approx(0.038 / 0.018, rel=1e-3)
+    # at an acceptance of 0.5, V(3) = 1.17 pays best (1.875 tokens a step); with the waits fitted as a cost of
+    # each drafted token, V(3) = 2.1 and only K = 1 pays (V(1) = 1.37 for 1.5 tokens)
+    assert fitted.plan({"r": (50, 100, 40)}) == {"r": 3} and whole.plan({"r": (50, 100, 40)}) == {"r": 1}
+    # an empty backup's step (one token through the forward) that waited: plain time without the wait
+    fitted.observe_step(1, 0.030, 1, 1, cold_s=0.012)
+    assert fitted.plain_s[1] == pytest.approx(0.018)
+    planner = AdaptiveK(k_max=3)
+    planner.observe_step(1, 0.018, 1, 1)
+    warm, window = planner.window(1)
+    for _ in range(warm + window):  # steps that each waited 30 ms for 1 token: the guard sees the whole step
+        planner.observe_step(4, 0.048, 1, 1, cold_s=0.030)
+    assert planner.backoff(1).gain == pytest.approx(0.018 / 0.048) and planner.backoffs == 1
+
+
+def test_a_cold_request_is_one_no_hit_could_serve() -> None:
+    """:meth:`SSDRequestState.cold`: before its first hit (the drafter catches up on the prompt), or in a round
+    whose bundle nobody asked for (the round before it was plain)."""
+    from verifier_service.ssd_request import SSDRequestState
+
+    st = SSDRequestState(round=5, asked={4})
+    assert st.cold()  # no hit yet
+    st.warm = True
+    assert not st.cold()
+    st.asked = {5}  # the bundle for round 4 was never asked (a plain round 4, now re-probed)
+    assert st.cold()
 
 
 def test_bundle_wait_is_break_even() -> None:

@@ -28,11 +28,16 @@ took 105-150 ms and speculating steps of 25-58 tokens all about 200 ms, so the l
 planner's V(K) keeps the fit: with the measured plain time as its denominator, batch-1 greedy SSD planned lower K
 and ran 1.58x AR against 1.67-1.73x.)
 
-Measured back-off. The model above predicts; the guard checks. Each speculating decode step's goodput is its
-emitted tokens per request over its time in plain steps, ``(emitted / b) · T(b) / step_s`` (plain decoding scores 1).
-Its exponentially weighted mean over a window of ``probe_window`` steps (the first ``warmup`` skipped: an SSD
-drafter that idled has nothing pre-drafted yet) below ``min_gain`` sends the whole batch to plain decoding for
-``hold`` steps, doubling on each failed window up to ``max_hold`` (and halving with each window of steps that pays,
+SSD waits that no hit could have avoided (a re-probe after plain rounds asked the drafter for nothing; a new
+request's drafter is still on its prompt) are left out of the fit (``cold_s`` in :meth:`AdaptiveK.observe_step`).
+Fitted in, they made a K = 1 step cost 2x a plain one on w8a8 (a 19 ms verify, 15-20 ms of such waits), so the
+planner chose K = 0, re-probed only into more such waits, and stayed plain on about 40% of its rounds.
+
+Measured back-off. The model above predicts; the guard checks. A window's goodput is the plain-decoding time of
+the tokens its speculating steps emitted over the time they took, ``Σ (emitted / b) · T(b) / Σ step_s`` (plain
+decoding scores 1). A window is ``probe_window`` request-rounds of speculating steps, after ``warmup`` of them
+skipped (the drafter catches up after idling) (:meth:`AdaptiveK.window`: 24 and 6 steps at batch 1, 6 and 2 at
+16). A window below ``min_gain`` sends the whole batch to plain decoding for ``hold`` steps, doubling on each failed window up to ``max_hold`` (and halving with each window of steps that pays,
 so one lucky window does not undo the failed ones); then it speculates again and re-measures: the
 window after a hold runs every request at K >= 1 whatever the acceptance estimates say, since estimates that only
 move with drafted tokens would otherwise keep a batch plain for good once they fell (as after a cold drafter's
@@ -61,11 +66,15 @@ def batch_bucket(b: int) -> int:
 
 @dataclass(slots=True)
 class Backoff:
-    """The measured back-off for one range of batch sizes: the current window's goodput, its step count, the
-    steps left in a hold, the last hold's length (which doubles after each failed window), and whether the current
-    window is the re-measurement after a hold (it speculates at K >= 1 until it is complete)."""
+    """The measured back-off for one range of batch sizes: the last window's goodput, the current window's sums
+    (the plain-decoding time of the tokens its steps emitted, and the time they took), the speculating steps
+    since the last hold, the steps left in a hold, the last hold's length (which doubles after each failed window),
+    and whether the current window is the re-measurement after a hold (it speculates at K >= 1 until it is
+    complete)."""
 
     gain: float | None = None
+    plain_equiv_s: float = 0.0
+    spent_s: float = 0.0
     window_steps: int = 0
     hold_left: int = 0
     next_hold: int = 0
@@ -93,8 +102,8 @@ class AdaptiveK:
     plain_steps: int = 0
     plain_rounds: int = 0
     #: The measured back-off (module docstring): its window, threshold and hold, its state and its counts.
-    probe_window: int = 6
-    warmup: int = 2
+    probe_window: int = 24
+    warmup: int = 6
     min_gain: float = 1.0
     hold: int = 48
     max_hold: int = 512
@@ -152,29 +161,48 @@ class AdaptiveK:
         if fitted:
             self.plain_ratio = 0.5 * self.plain_ratio + 0.5 * seconds / fitted
 
-    def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int) -> None:
-        """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered."""
-        self.cost.observe(tokens, seconds)
+    def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int, cold_s: float = 0.0) -> None:
+        """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered.
+
+        ``cold_s``: the part of ``seconds`` spent waiting for drafts that no request could have had ready (an SSD
+        re-probe after plain rounds, a drafter still on the prompt). It is left out of the cost fit and of the
+        measured plain time, which describe steady speculation and plain decoding; the back-off's goodput keeps
+        the whole step, since it judges what speculating really delivered."""
+        fit_s = max(seconds - cold_s, 1e-9)
+        self.cost.observe(tokens, fit_s)
         if tokens <= batch:
-            self._observe_plain(batch, seconds)
+            self._observe_plain(batch, fit_s)
         st = self.backoff(batch)
         if tokens <= batch or st.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
             return
         st.window_steps += 1
         t_b = self.plain_time(batch)
-        if st.window_steps <= self.warmup or t_b is None or seconds <= 0:
+        warmup, window = self.window(batch)
+        if st.window_steps <= warmup or t_b is None or seconds <= 0:
             return
-        g = emitted / batch * t_b / seconds
-        st.gain = g if st.gain is None else 0.7 * st.gain + 0.3 * g
-        if st.window_steps < self.probe_window:
-            return
+        st.plain_equiv_s += emitted / batch * t_b
+        st.spent_s += seconds
+        if (st.window_steps - warmup) % window == 0:
+            self._judge(st, batch)
+
+    def window(self, b: int) -> tuple[int, int]:
+        """(warm-up steps, steps per window) at ``b`` requests a step: ``warmup`` and ``probe_window`` count
+        request-rounds, so a step of b requests measures b of them (at least 2 and 6 steps). At batch 1 a window's
+        goodput swings with each round's luck (tokens 1..K+1 at a hit rate near 0.2): a dozen steps read below 1x
+        now and then where speculation pays 1.7x, and the drafter's catch-up on a new request or after a hold
+        takes about 6 steps. At 16 a step averages 16 requests, and 6 steps suffice."""
+        return max(2, self.warmup // b), max(6, self.probe_window // b)
+
+    def _judge(self, st: Backoff, batch: int) -> None:
+        """The end of a window: its goodput holds the batch plain (doubling the hold) or halves the next hold."""
+        st.gain, st.plain_equiv_s, st.spent_s = st.plain_equiv_s / st.spent_s, 0.0, 0.0
         st.probing = False
         if st.gain < self.min_gain:
             st.hold_left = st.next_hold = min(max(self.hold, 2 * st.next_hold), self.max_hold)
             self.backoffs += 1
             logger.info("speculation measured at %.2fx plain decoding at batch %d: plain for %d steps", st.gain, batch,
                         st.hold_left)
-        elif st.window_steps % self.probe_window == 0:
+        else:
             # Each window of steps that paid halves the next hold, down to none: one window's goodput is noisy, so
             # where speculation hovers near break-even a lucky window must not undo what the failed ones measured.
             st.next_hold = st.next_hold // 2 if st.next_hold > self.hold else 0
@@ -191,7 +219,7 @@ class AdaptiveK:
             self.backoff_steps += 1
             self.batch_k = 0
             if not st.hold_left:  # speculate again, and measure it afresh
-                st.window_steps, st.gain, st.probing = 0, None, True
+                st.window_steps, st.plain_equiv_s, st.spent_s, st.probing = 0, 0.0, 0.0, True
         v = self._v(b)
         # A plain step: T(b) measured, not extrapolated. With no cost data yet, the first steps are a plain one and
         # then K = 1 until the fit spans two step sizes: at batch 16 a cold K = k_max step cost 2.5-3x a plain one

@@ -241,7 +241,8 @@ class VerifierEngine:
         # request has one pending token (the last round's bonus).
         if self.adaptive is not None and all(w.num_pending <= 1 for w in work):
             self.adaptive.observe_step(sum(len(it.token_ids) for it in items), step_s,
-                                       m.tokens_emitted - emitted_before, len(work))
+                                       m.tokens_emitted - emitted_before, len(work),
+                                       getattr(self.drafter, "cold_wait_s", 0.0))
 
     def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor, argmax: list[int],
                moves: tuple[list[int], list[int]]) -> None:

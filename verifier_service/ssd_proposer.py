@@ -87,6 +87,12 @@ class SSDProposer:
         self.lateness: deque[float] = deque(maxlen=64)
         self.verify_cost = LinearCost(decay=0.99)
         self._last_step_tokens = 1
+        #: Seconds the last :meth:`propose` waited for requests that could not have hit (all of them cold:
+        #: :meth:`SSDRequestState.cold`). The engine's cost fit leaves them out: the planner asks what a drafted
+        #: token costs in steady speculation, and a re-probe after plain rounds, or a request whose drafter is
+        #: still on its prompt, waits by construction (on w8a8 such waits put a K = 1 step at 2x a plain one and
+        #: kept the planner plain).
+        self.cold_wait_s = 0.0
 
     # ---- messages -------------------------------------------------------------------------------------------
     def _take(self, msg: object) -> None:
@@ -135,6 +141,7 @@ class SSDProposer:
             link, self.pending_link = self.pending_link, None
             self.replace_link(link)
         self._drain()
+        self.cold_wait_s = 0.0
         specs: dict[str, Speculation | None] = {}
         waiting = []
         self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
@@ -153,6 +160,7 @@ class SSDProposer:
             spec, hit = self._lookup(st)
             if hit and k > 0:
                 self._count_hit_kind(st)
+                st.warm = True
             if spec is None and k > 0:
                 waiting.append(seq)
             specs[seq.request_id] = spec
@@ -166,6 +174,7 @@ class SSDProposer:
         if waiting and (self.jit_allowed or any(s.reproducible for s in waiting)) and self.link.alive:
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
+            cold = all(self.state[seq.request_id].cold() for seq in waiting)
             t0 = time.perf_counter()
             deadline = t0 + (self.wait_fraction * self.verify_s_ema if self.jit_allowed else 0.0)
             while waiting and time.perf_counter() < deadline:
@@ -173,6 +182,7 @@ class SSDProposer:
                 waiting = [seq for seq in waiting if not self._take_jit(seq, specs)]
             waiting = self._await_reproducible(waiting, specs)
             waited = time.perf_counter() - t0
+            self.cold_wait_s += waited if cold else 0.0
             self.stats.wait_s += waited
             self.stats.jit_wait_s += waited
             self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
@@ -199,12 +209,14 @@ class SSDProposer:
                            self.wait_fraction * self.verify_s_ema, len(due) / batch) if due else 0.0
         if wait <= 0:
             return
+        cold = all(self.state[s.request_id].cold() for s in due)
         t0 = time.perf_counter()
         self.stats.bundle_wait_attempts += len(due)
         while due and time.perf_counter() < t0 + wait:
             self._drain(timeout=max(0.0, t0 + wait - time.perf_counter()))
             due = [seq for seq in due if not self._take_late_bundle(seq, specs)]
         waited = time.perf_counter() - t0
+        self.cold_wait_s += waited if cold else 0.0
         self.stats.wait_s += waited
         self.stats.bundle_wait_s += waited
         self.stats.max_wait_s = max(self.stats.max_wait_s, waited)

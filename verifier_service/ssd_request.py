@@ -34,3 +34,12 @@ class SSDRequestState:
     #: Tokens of plain rounds (K = 0) the drafter has not been told yet: it drafts nothing for such rounds, so
     #: their outcomes go in one event when the request next speculates (or never, if it finishes first).
     deferred: list[int] = field(default_factory=list)
+    #: Whether a bundle of the drafter's has served this request on time yet. Before that the drafter is still
+    #: catching up on the prompt (it prefills beside the target), so waits for it are the request's start-up cost.
+    warm: bool = False
+
+    def cold(self) -> bool:
+        """Whether a hit was out of reach for this round: the drafter is still catching up on the request, or the
+        last round was plain and asked for no bundle (a re-probe). Waits in such rounds are costs of starting to
+        speculate, not of speculating (:attr:`verifier_service.ssd_proposer.SSDProposer.cold_wait_s`)."""
+        return not self.warm or self.round - 1 not in self.asked
