@@ -87,11 +87,8 @@ class SSDProposer:
         self.lateness: deque[float] = deque(maxlen=64)
         self.verify_cost = LinearCost(decay=0.99)
         self._last_step_tokens = 1
-        #: Seconds the last :meth:`propose` waited for requests that could not have hit (all of them cold:
-        #: :meth:`SSDRequestState.cold`). The engine's cost fit leaves them out: the planner asks what a drafted
-        #: token costs in steady speculation, and a re-probe after plain rounds, or a request whose drafter is
-        #: still on its prompt, waits by construction (on w8a8 such waits put a K = 1 step at 2x a plain one and
-        #: kept the planner plain).
+        #: Seconds the last :meth:`propose` waited for requests none of which could have hit
+        #: (:meth:`SSDRequestState.cold`); the planner's cost fit leaves them out (:mod:`verifier_service.adaptive`).
         self.cold_wait_s = 0.0
 
     # ---- messages -------------------------------------------------------------------------------------------
@@ -159,7 +156,7 @@ class SSDProposer:
                 self._send_deferred(seq, st, k)
             spec, hit = self._lookup(st)
             if hit and k > 0:
-                self._count_hit_kind(st)
+                self.stats.count_hit(st.last_key[0], spine_length(st.verified_parents, len(st.verified)))
                 st.warm = True
             if spec is None and k > 0:
                 waiting.append(seq)
@@ -174,7 +171,7 @@ class SSDProposer:
         if waiting and (self.jit_allowed or any(s.reproducible for s in waiting)) and self.link.alive:
             for seq in waiting:
                 self.state[seq.request_id].jit_attempted = True
-            cold = all(self.state[seq.request_id].cold() for seq in waiting)
+            cold = all(self.state[s.request_id].cold() for s in waiting)
             t0 = time.perf_counter()
             deadline = t0 + (self.wait_fraction * self.verify_s_ema if self.jit_allowed else 0.0)
             while waiting and time.perf_counter() < deadline:
@@ -239,16 +236,6 @@ class SSDProposer:
             return False
         specs[seq.request_id], st.source = spec, "late_bundle"
         return True
-
-    def _count_hit_kind(self, st: SSDRequestState) -> None:
-        slot = st.last_key[0]
-        spine = spine_length(st.verified_parents, len(st.verified))
-        if slot > spine:
-            self.stats.hits_off_spine += 1
-        elif slot == spine:
-            self.stats.hits_all_accepted += 1
-        else:
-            self.stats.hits_rejected += 1
 
     def _take_jit(self, seq: Sequence, specs: dict) -> bool:
         """Put ``seq``'s speculation in ``specs`` if the drafter has delivered it since the step began."""

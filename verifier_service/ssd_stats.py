@@ -64,6 +64,16 @@ class SSDStats:
     tokens_on_bundle_wait: int = 0
     bundle_wait_s: float = 0.0
 
+    def count_hit(self, slot: int, spine: int) -> None:
+        """A hit on the outcome in tree ``slot`` of a speculation whose spine is ``spine`` tokens long: past the
+        spine (a leaf), the whole spine accepted, or a rejection within it."""
+        if slot > spine:
+            self.hits_off_spine += 1
+        elif slot == spine:
+            self.hits_all_accepted += 1
+        else:
+            self.hits_rejected += 1
+
     def e_bundle(self) -> float:
         """Tokens per round served by a pre-drafted bundle (a hit, or a bundle waited for), with a prior of 2 tokens
         worth 2 rounds."""
