@@ -14,15 +14,17 @@ from verifier_service.ssd_proposer import SSDProposer
 
 def test_a_cold_request_is_one_no_hit_could_serve() -> None:
     """:meth:`SSDRequestState.cold`: before its first hit (the drafter catches up on the prompt), or in a round
-    whose bundle nobody asked for (the round before it was plain)."""
+    whose bundle nobody asked for (the round before it was plain); only the latter skips the wait for a draft
+    (:meth:`SSDRequestState.draft_can_come`)."""
     from verifier_service.ssd_request import SSDRequestState
 
     st = SSDRequestState(round=5, asked={4})
     assert st.cold()  # no hit yet
     st.warm = True
     assert not st.cold()
+    assert st.draft_can_come()  # asked for: a wait for its draft can pay
     st.asked = {5}  # the bundle for round 4 was never asked (a plain round 4, now re-probed)
-    assert st.cold()
+    assert st.cold() and not st.draft_can_come()  # the backup serves it at once
 
 
 def test_bundle_wait_is_break_even() -> None:

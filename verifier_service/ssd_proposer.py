@@ -158,7 +158,7 @@ class SSDProposer:
             if hit and k > 0:
                 self.stats.count_hit(st.last_key[0], spine_length(st.verified_parents, len(st.verified)))
                 st.warm = True
-            if spec is None and k > 0:
+            if spec is None and k > 0 and (st.draft_can_come() or seq.reproducible):
                 waiting.append(seq)
             specs[seq.request_id] = spec
             st.used_hit = hit

@@ -43,3 +43,10 @@ class SSDRequestState:
         last round was plain and asked for no bundle (a re-probe). Waits in such rounds are costs of starting to
         speculate, not of speculating (:attr:`verifier_service.ssd_proposer.SSDProposer.cold_wait_s`)."""
         return not self.warm or self.round - 1 not in self.asked
+
+    def draft_can_come(self) -> bool:
+        """Whether a wait for this round's draft can pay: the drafter was asked for this round's bundle. A re-probe
+        after plain rounds asked for nothing, and its drafter first catches up on their tokens, so a just-in-time
+        draft comes late: at batch 16 the steps of the window after each hold took 2x a plain one. The backup
+        serves such rounds at once, and the drafter, told the outcome, has the next round's bundle under way."""
+        return self.round - 1 in self.asked
