@@ -28,22 +28,24 @@ took 105-150 ms and speculating steps of 25-58 tokens all about 200 ms, so the l
 planner's V(K) keeps the fit: with the measured plain time as its denominator, batch-1 greedy SSD planned lower K
 and ran 1.58x AR against 1.67-1.73x.)
 
-SSD waits that no hit could have avoided (a re-probe after plain rounds asked the drafter for nothing; a new
-request's drafter is still on its prompt) are left out of the fit (``cold_s`` in :meth:`AdaptiveK.observe_step`).
-Fitted in, they made a K = 1 step cost 2x a plain one on w8a8 (a 19 ms verify, 15-20 ms of such waits), so the
-planner chose K = 0, re-probed only into more such waits, and stayed plain on about 40% of its rounds.
+SSD waits that no hit could have avoided (a new request's drafter is still on its prompt; a re-probe after plain
+rounds asked the drafter for nothing, though such rounds no longer wait: ``SSDRequestState.draft_can_come``) are
+left out of the fit (``cold_s`` in :meth:`AdaptiveK.observe_step`). Fitted in, they made a K = 1 step cost 2x a
+plain one on w8a8 (a 19 ms verify, 15-20 ms of such waits), so the planner chose K = 0, re-probed only into more
+such waits, and stayed plain on about 40% of its rounds.
 
 Measured back-off. The model above predicts; the guard checks. A window's goodput is the plain-decoding time of
 the tokens its speculating steps emitted over the time they took, ``Σ (emitted / b) · T(b) / Σ step_s`` (plain
 decoding scores 1). A window is ``probe_window`` request-rounds of speculating steps, after ``warmup`` of them
 skipped (the drafter catches up after idling) (:meth:`AdaptiveK.window`: 24 and 6 steps at batch 1, 6 and 2 at
-16). A window below ``min_gain`` sends the whole batch to plain decoding for ``hold`` steps, doubling on each failed window up to ``max_hold`` (and halving with each window of steps that pays,
-so one lucky window does not undo the failed ones); then it speculates again and re-measures: the
-window after a hold runs every request at K >= 1 whatever the acceptance estimates say, since estimates that only
-move with drafted tokens would otherwise keep a batch plain for good once they fell (as after a cold drafter's
-first rounds, whose misses drag the workload's acceptance down while the guard stops per-request re-probes). So
-wherever the estimates are wrong (a prior that flatters acceptance, costs outside the step), the batch still runs
-no slower than plain decoding by more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
+16). A window below ``min_gain`` sends the whole batch to plain decoding for ``hold`` steps, doubling on each
+failed window up to ``max_hold`` (and halving with each window of steps that pays, so one lucky window does not
+undo the failed ones); then it speculates again and re-measures: the window after a hold runs every request at
+K >= 1 whatever the acceptance estimates say, since estimates that only move with drafted tokens would otherwise
+keep a batch plain for good once they fell (as after a cold drafter's first rounds, whose misses drag the
+workload's acceptance down while the guard stops per-request re-probes). So wherever the estimates are wrong (a
+prior that flatters acceptance, costs outside the step), the batch still runs no slower than plain decoding by
+more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
 The back-off's state is kept per range of batch sizes (:func:`batch_bucket`): speculation that loses at 16 in
 flight may pay at 1, so a hold learned under load does not stop a lone request from speculating, nor the reverse.
 """
