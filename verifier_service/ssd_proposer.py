@@ -177,12 +177,8 @@ class SSDProposer:
             while waiting and time.perf_counter() < deadline:
                 self._drain(timeout=max(0.0, deadline - time.perf_counter()))
                 waiting = [seq for seq in waiting if not self._take_jit(seq, specs)]
-            waiting = self._await_reproducible(waiting, specs)
-            waited = time.perf_counter() - t0
-            self.cold_wait_s += waited if cold else 0.0
-            self.stats.wait_s += waited
-            self.stats.jit_wait_s += waited
-            self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+            self._await_reproducible(waiting, specs)
+            self._count_wait(time.perf_counter() - t0, cold, "jit_wait_s")
         elif waiting and self.link.alive:
             self._await_bundles(waiting, specs, len(seqs))
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
@@ -212,11 +208,16 @@ class SSDProposer:
         while due and time.perf_counter() < t0 + wait:
             self._drain(timeout=max(0.0, t0 + wait - time.perf_counter()))
             due = [seq for seq in due if not self._take_late_bundle(seq, specs)]
-        waited = time.perf_counter() - t0
+        self._count_wait(time.perf_counter() - t0, cold, "bundle_wait_s")
+
+    def _count_wait(self, waited: float, cold: bool, kind: str) -> None:
+        """Count a wait of ``waited`` seconds in the stats (``kind``: ``jit_wait_s`` or ``bundle_wait_s``), and in
+        :attr:`cold_wait_s` if none of the requests it waited for could have hit."""
         self.cold_wait_s += waited if cold else 0.0
-        self.stats.wait_s += waited
-        self.stats.bundle_wait_s += waited
-        self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+        s = self.stats
+        s.wait_s += waited
+        setattr(s, kind, getattr(s, kind) + waited)
+        s.max_wait_s = max(s.max_wait_s, waited)
 
     def _overdue(self, st: SSDRequestState) -> bool:
         """Whether the bundle this round looks up was asked for and has not come: then note when it was due (and

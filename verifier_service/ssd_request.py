@@ -42,7 +42,7 @@ class SSDRequestState:
         """Whether a hit was out of reach for this round: the drafter is still catching up on the request, or the
         last round was plain and asked for no bundle (a re-probe). Waits in such rounds are costs of starting to
         speculate, not of speculating (:attr:`verifier_service.ssd_proposer.SSDProposer.cold_wait_s`)."""
-        return not self.warm or self.round - 1 not in self.asked
+        return not self.warm or not self.draft_can_come()
 
     def draft_can_come(self) -> bool:
         """Whether a wait for this round's draft can pay: the drafter was asked for this round's bundle. A re-probe
