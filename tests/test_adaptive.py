@@ -229,6 +229,25 @@ def test_plain_steps_are_measured_not_fitted() -> None:
     assert paying.backoffs == 0 and spec > 180, (paying.backoffs, spec)  # (plain probes, and K = 0 where marginal)
 
 
+def test_one_step_in_probe_plain_every_is_plain_and_refreshes_the_plain_time() -> None:
+    """While speculation pays, the planner still runs one plain step in ``probe_plain_every`` (after its cold
+    start), so the measured plain time follows the machine: here plain decoding slows from 18 to 24 ms halfway."""
+    planner = AdaptiveK(k_max=3)
+    plain = []
+    for step in range(480):
+        slow = step >= 240
+        k = planner.plan({"r": (80, 100, step)})["r"]
+        if k == 0:
+            plain.append(step)
+            planner.observe_step(1, 0.024 if slow else 0.018, 1, 1)
+        else:
+            planner.observe_step(1 + k, (0.027 if slow else 0.021) + 0.001 * k, 1 + 0.8 * k, 1)
+    late = [s for s in plain if s >= 2]  # the cold start's plain step comes first
+    assert len(late) == 480 // planner.probe_plain_every, plain
+    assert all(b - a == planner.probe_plain_every for a, b in zip(late, late[1:])), plain
+    assert planner.plain_time(1) == pytest.approx(0.024, rel=0.05)
+
+
 def test_waits_no_hit_could_avoid_are_left_out_of_the_cost_fit() -> None:
     """An SSD step that re-probes after plain rounds (or whose drafter is still on the prompt) waits for drafts by
     construction. Those seconds (``cold_s``) stay out of the fit and the measured plain time, so the planner prices

@@ -18,7 +18,10 @@ at this batch size) so a request whose text turns
 predictable gets K back. The other way round, while the batch speculates, every ``probe_plain_every``-th step is a
 plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-token steps, cannot tell the fixed
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
-gains, as it does for sampled requests at batch 16 on a CPU.
+gains, as it does for sampled requests at batch 16 on a CPU. Such a step costs more than its own plain round: its
+outcome has no pre-drafted bundle, so the round after it misses too. Every 16th step cost batch-1 greedy SSD about
+5% (2.14x AR against 2.25x at every 48th in bf16, 1.61x against 1.68x on w8a8; session 22), and the fit, whose
+memory is about 50 steps (``LinearCost.decay``), still spans K's own step sizes in between.
 
 The guard's plain steps are measured, not fitted: :meth:`AdaptiveK.plain_time` is the measured time of plain
 decode steps of b requests (exponentially weighted; for a batch size not yet seen plain, the fit scaled by the last
@@ -96,7 +99,7 @@ class AdaptiveK:
     population: RateEstimator | None = None
     last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     probe_every: int = 16
-    probe_plain_every: int = 16
+    probe_plain_every: int = 48
     cost: LinearCost | None = None
     batch_k: int = 0
     steps: int = 0
