@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/ssd demo
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 slow: install
 	$(BIN)/python -m pytest -q -m slow
