@@ -62,12 +62,14 @@ def _target(dtype: str) -> ModelRunner:
     return ModelRunner(path, dtype=getattr(torch, dtype))
 
 
-def batch1(dtype: str, repeats: int, n: int) -> dict:
+def batch1(dtype: str, repeats: int, n: int, planners: dict[str, AdaptiveK] | None = None) -> dict:
+    """AR, then SSD with each of ``planners`` (default: the old planner, the new one and a fixed K = 3)."""
     pair = default_pair()
     target = _target(dtype)
     tok = load_tokenizer(pair["target"])
     ar_engine = engine_for_one(target, None, 0)
-    planners = {"old": _old_planner_class()(k_max=3), "new": AdaptiveK(k_max=3), "fixed": Fixed(k_max=3)}
+    if planners is None:
+        planners = {"old": _old_planner_class()(k_max=3), "new": AdaptiveK(k_max=3), "fixed": Fixed(k_max=3)}
     variants = ["ar", *planners]
     runs = {v: [] for v in variants}
     hits = {v: [] for v in planners}
@@ -90,10 +92,11 @@ def batch1(dtype: str, repeats: int, n: int) -> dict:
     out = {}
     for v, x in runs.items():
         out[v] = {"tok_s": round(tps[v], 1), "x_ar": round(tps[v] / tps["ar"], 3),
+                  "median_request_tok_s": round(statistics.median(t / s for t, s, _ in x), 1),
                   "tokens_per_round": round(sum(t for t, _, _ in x) / sum(c for _, _, c in x), 2)}
         if v in planners:
             out[v]["hit"] = round(statistics.mean(hits[v]), 3)
-        if v in ("old", "new"):  # (Fixed overrides the plan, so its counters are not what it ran)
+        if v in planners and not isinstance(planners[v], Fixed):  # (Fixed overrides the plan: not what it ran)
             p = planners[v]
             out[v].update(planned_plain_rounds=p.plain_rounds, steps=p.steps, backoffs=p.backoffs,
                           backoff_steps=p.backoff_steps)
