@@ -178,14 +178,14 @@ class SSDProposer:
                 self._drain(timeout=max(0.0, deadline - time.perf_counter()))
                 waiting = [seq for seq in waiting if not self._take_jit(seq, specs)]
             self._await_reproducible(waiting, specs)
-            self._count_wait(time.perf_counter() - t0, cold, "jit_wait_s")
+            self.stats.jit_wait_s += self._count_wait(time.perf_counter() - t0, cold)
         elif waiting and self.link.alive:
             self._await_bundles(waiting, specs, len(seqs))
         trees = [self._to_tree(seq, k, specs[seq.request_id]) for seq, k in zip(seqs, ks)]
         self.link.flush()  # transports that batch sends deliver them now, before the verify
         return trees
 
-    def _await_reproducible(self, waiting: list[Sequence], specs: dict) -> list[Sequence]:
+    def _await_reproducible(self, waiting: list[Sequence], specs: dict) -> None:
         """Seeded sampled requests (``Sequence.reproducible``) wait for their just-in-time draft past the deadline
         (up to ``REPRODUCIBLE_WAIT_S``, while the link lives): an n-gram backup would change their tokens."""
         deadline = time.perf_counter() + REPRODUCIBLE_WAIT_S
@@ -193,7 +193,6 @@ class SSDProposer:
         while must and self.link.alive and time.perf_counter() < deadline:
             self._drain(timeout=0.05)
             must = [seq for seq in must if not self._take_jit(seq, specs)]
-        return [s for s in waiting if specs.get(s.request_id) is None]
 
     def _await_bundles(self, waiting: list[Sequence], specs: dict, batch: int) -> None:
         """The fast backup's short wait (module docstring) for the bundles of ``waiting`` still being built."""
@@ -208,16 +207,15 @@ class SSDProposer:
         while due and time.perf_counter() < t0 + wait:
             self._drain(timeout=max(0.0, t0 + wait - time.perf_counter()))
             due = [seq for seq in due if not self._take_late_bundle(seq, specs)]
-        self._count_wait(time.perf_counter() - t0, cold, "bundle_wait_s")
+        self.stats.bundle_wait_s += self._count_wait(time.perf_counter() - t0, cold)
 
-    def _count_wait(self, waited: float, cold: bool, kind: str) -> None:
-        """Count a wait of ``waited`` seconds in the stats (``kind``: ``jit_wait_s`` or ``bundle_wait_s``), and in
-        :attr:`cold_wait_s` if none of the requests it waited for could have hit."""
+    def _count_wait(self, waited: float, cold: bool) -> float:
+        """Count a wait of ``waited`` seconds in the totals every wait shares, and in :attr:`cold_wait_s` if none of
+        the requests it waited for could have hit; returns it for the caller's own kind of wait."""
         self.cold_wait_s += waited if cold else 0.0
-        s = self.stats
-        s.wait_s += waited
-        setattr(s, kind, getattr(s, kind) + waited)
-        s.max_wait_s = max(s.max_wait_s, waited)
+        self.stats.wait_s += waited
+        self.stats.max_wait_s = max(self.stats.max_wait_s, waited)
+        return waited
 
     def _overdue(self, st: SSDRequestState) -> bool:
         """Whether the bundle this round looks up was asked for and has not come: then note when it was due (and
