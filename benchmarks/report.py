@@ -116,6 +116,9 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         "mean_tree_nodes": mean([e["mean_tree_nodes"] for e in ssd_extra or []
                                  if e.get("mean_tree_nodes") is not None]),
         "off_spine_rate": mean([e["off_spine_rate"] for e in ssd_extra or [] if e.get("off_spine_rate") is not None]),
+        # tokens per SSD round accepted on the tree's prompt-lookup branch
+        "lookup_tokens_per_round": mean([e["lookup_tokens_per_round"] for e in ssd_extra or []
+                                         if e.get("lookup_tokens_per_round") is not None]),
         # SSD rounds served by a bundle the verifier waited for (the fast backup's short wait), of all rounds
         "bundle_wait_rate": mean([e["bundle_wait_rate"] for e in ssd_extra or []
                                   if e.get("bundle_wait_rate") is not None]),

@@ -162,6 +162,7 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         "verifier_idle_fraction": delta["wait_s"] / stats.decode_s if stats.decode_s else None,
         "mean_tree_nodes": delta["tree_nodes"] / delta["spec_rounds"] if delta["spec_rounds"] else None,
         "off_spine_rate": delta["off_spine"] / delta["spec_rounds"] if delta["spec_rounds"] else None,
+        "lookup_tokens_per_round": delta["lookup_tokens"] / delta["spec_rounds"] if delta["spec_rounds"] else None,
         "bundle_wait_rate": delta["bundle_waited"] / delta["rounds"] if delta["rounds"] else None,
         # the drafter's fan-out actually built: below the budget where it fitted bundles to the verifier's step
         "branches_per_bundle": delta["branches"] / delta["bundles"] if delta["bundles"] else None,
@@ -173,4 +174,5 @@ def _snapshot(local: LocalSSD) -> dict[str, float]:
     s = local.proposer.stats
     return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup, "tree_nodes": s.tree_nodes,
             "spec_rounds": sum(s.accepted_hist), "off_spine": s.off_spine_rounds, "bundle_waited": s.bundle_wait_rounds,
+            "lookup_tokens": s.lookup_tokens,
             "bundles": s.bundles_received, "branches": s.branches_received}

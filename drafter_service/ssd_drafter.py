@@ -5,12 +5,13 @@ After the verifier's outcome of round R, for each request the drafter:
   2. runs the *glue* forward over ``[bonus, S_{R+1}]`` (the root and the speculation's nodes at their true
      positions, with tree attention when S is a tree), giving the draft distribution after every outcome slot
      (slot 0: the root; slot i + 1: node i, see :mod:`spec_core.speculation`);
-  3. forks the top-F_j candidate bonus tokens at every slot j (excluding the tokens of the slot's own children:
-     after a rejection there the bonus is never one of them under greedy decoding and rarely under sampling);
+  3. forks the top-F_j candidate bonus tokens at every slot j, prompt lookup's guess first (excluding the tokens
+     of the slot's own children: after a rejection there the bonus is never one of them under greedy decoding);
   4. decodes K tokens for every branch of every request in K batched forwards with tree attention (a branch sees
      the prefix, the glue along its slot's path and its own earlier tokens; its K/V goes to scratch slots past the
      glue). For greedy requests each step's next ``width - 1`` choices become leaves beside the spine
-     (:class:`spec_core.config.TreeShape`): a candidate tree per outcome, at no extra draft forward;
+     (:class:`spec_core.config.TreeShape`), and the outcome's prompt-lookup continuation becomes a branch beside
+     it: a candidate tree per outcome, at no extra draft forward;
   5. returns one :class:`BranchBundle` per request: ``(slot, candidate) → Speculation`` with the exact q rows.
 
 Out of KV blocks: a request whose slots do not fit in the pool gets a smaller bundle (trunk only, no branches) or
@@ -34,15 +35,24 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from drafter_service.candidate_trees import GrowingTree, auto_leaves, leaf_tokens
+from drafter_service.candidate_trees import (
+    GrowingTree,
+    LookupStats,
+    auto_leaves,
+    bonus_candidates,
+    node_price,
+    slot_fanout,
+    slot_guesses,
+)
+from drafter_service.picking import pick_leaves, pick_rows
 from spec_core.block_manager import BlockManager, NoFreeBlocks
-from spec_core.config import SSDConfig, TreeShape
+from spec_core.config import SSDConfig, TreeShape, lookup_depth
 from spec_core.estimators import AcceptanceEstimator, LinearCost, MissExponentEstimator, RateEstimator
-from spec_core.fanout import fanout_for, tree_fanout
+from spec_core.fanout import fanout_for
+from spec_core.ngram import NgramIndex
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
-from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
-from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
+from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
@@ -64,8 +74,13 @@ class DraftRequest:
     bundle: BranchBundle | None = None
     #: Per glue position j: the draft's ranked candidate bonus tokens (drafted token excluded), for r's estimate.
     candidates: dict[int, list[int]] = field(default_factory=dict)
-    #: Where the speculation the current bundle was built on came from (cache, jit, prefill or backup).
+    #: Where the speculation the current bundle was built on came from (cache, jit, prefill or backup), and
+    #: where its prompt-lookup branch starts (None: it has none).
     base_source: str = "prefill"
+    base_lookup: int | None = None
+    #: Prompt lookup over the request's tokens, for the lookup branch of every outcome's tree, and its measures.
+    lookup: NgramIndex = field(default_factory=NgramIndex)
+    lookup_stats: LookupStats = field(default_factory=LookupStats)
 
 
 def _glue_start(r: DraftRequest) -> int:
@@ -129,29 +144,9 @@ class SSDDrafter:
     # ---- sampling -------------------------------------------------------------------------------------------
     def _pick_rows(self, req: DraftRequest, logits: torch.Tensor, positions: list[int]
                    ) -> tuple[list[int], torch.Tensor | None]:
-        """One token per row of ``logits [m, V]``, all rows at once: argmax for greedy, else draws from
-        Saguaro's q′ truncated to the top-n (returned, ``[m, V]``: the exact rows the tokens were drawn from).
-        Row i's token sits at ``positions[i]``; its uniform is keyed by that position, so a pre-drafted branch and
-        a just-in-time draft from the same prefix pick the same tokens."""
-        seq = req.seq
-        if seq.params.greedy:
-            return to_host(logits.argmax(-1)), None
-        uniforms = torch.cat([seq.uniforms_at(p, 1, DRAFT) for p in positions])
+        """:func:`drafter_service.picking.pick_rows` with this drafter's top-F for Saguaro's down-weighting."""
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
-        n, vocab = self.config.proposal_top_n, logits.shape[-1]
-        if self.config.ship_raw_q or not 0 < n < vocab:
-            q = request_probs(logits[None], [seq.params])[0]
-            q_prime = truncate_top_n(saguaro_downweight(q, top_f, self.config.saguaro_c), n)
-            toks = to_host(sample_from_probs(q_prime, uniforms))
-            return toks, q if self.config.ship_raw_q else q_prime
-        # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution
-        # over the draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
-        vals, idx = torch.topk(logits.float(), n, dim=-1)
-        small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, self.config.saguaro_c)
-        local = sample_from_probs(small, uniforms)
-        toks = to_host(idx.gather(-1, local[:, None])[:, 0])
-        q_prime = torch.zeros(logits.shape[0], vocab, device=logits.device).scatter_(-1, idx, small)
-        return toks, q_prime
+        return pick_rows(self.config, req.seq, logits, positions, top_f)
 
     def _leaves(self, req: DraftRequest, k: int) -> list[int]:
         """Leaves per spine depth for ``req`` (:class:`spec_core.config.TreeShape`)."""
@@ -163,20 +158,24 @@ class SSDDrafter:
         return auto_leaves((tree or self.config.tree).leaves(k), self.accept_rate,
                            [r.value for r in self.leaf_rank], self.node_cost)
 
-    def _pick_leaves(self, req: DraftRequest, logits: torch.Tensor, spine: list[int], q: torch.Tensor | None,
-                     positions: list[int], extra: int) -> list[tuple[list[int], torch.Tensor | None]]:
-        """``extra`` leaves beside each row's spine token: the draft's next choices for a greedy request; for a
-        sampled one, independent draws (with replacement, keyed uniforms) from the row the spine token was drawn
-        from, which is what sibling recursion in the verifier needs to stay exact."""
-        if not extra:
-            return [([], None) for _ in spine]
-        if q is None:
-            return [(t, None) for t in leaf_tokens(logits, spine, extra)]
-        out = []
-        for row, pos in zip(q, positions):
-            rows = row[None].expand(extra, -1)
-            out.append((to_host(sample_from_probs(rows, req.seq.uniforms_at(pos, extra, DRAFT_LEAF))), rows))
-        return out
+    def _lookup_keep(self, req: DraftRequest) -> int:
+        """How many prompt-lookup nodes ``req``'s trees get in this build: none unless it is greedy and the tree has
+        ``lookup``; under ``auto`` each while its measured acceptance pays its verify cost (:class:`LookupStats`)."""
+        tree = self.config.tree
+        if not (tree.lookup and req.seq.params.greedy and req.k > 0):
+            return 0
+        price = node_price(self.node_cost, self.accept_rate, req.k) if tree.auto and self.node_cost else None
+        keep = req.lookup_stats.keep(lookup_depth(req.k), price)
+        if keep:
+            req.lookup.sync(req.seq.token_ids)
+        return keep
+
+    def _slot_guesses(self, req: DraftRequest, s: Speculation) -> list[int | None]:
+        """Prompt lookup's guess at the bonus after every outcome slot of ``s`` (``SSDConfig.lookup_bonus``)."""
+        if not self.config.lookup_bonus:
+            return [None] * (s.num_nodes + 1)
+        req.lookup.sync(req.seq.token_ids)
+        return slot_guesses(req.lookup, s)
 
     def _forward(self, items: list[WorkItem]) -> torch.Tensor:
         return forward_items(self.runner, self.cache, items)
@@ -211,7 +210,7 @@ class SSDDrafter:
                 i = live[j]
                 pos = [reqs[i].seq.num_tokens + depth]
                 toks, q = self._pick_rows(reqs[i], logits[p, :width], pos)
-                (side, side_q), = self._pick_leaves(reqs[i], logits[p, :1], toks, q, pos, leaves[i][depth])
+                (side, side_q), = pick_leaves(reqs[i].seq, logits[p, :1], toks, q, pos, leaves[i][depth])
                 grown[i].add(toks[0], q[0] if q is not None else None, side, side_q)
                 picked.append((toks, q))
             return picked
@@ -220,7 +219,8 @@ class SSDDrafter:
         for i in live:
             r = reqs[i]
             r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
-            out[i] = grown[i].speculation(source="jit")
+            keep = self._lookup_keep(r)
+            out[i] = grown[i].speculation("jit", r.lookup.propose([], lookup_depth(r.k)) if keep else [], keep)
         return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
@@ -266,24 +266,19 @@ class SSDDrafter:
     def _fit_fanout(self, r: DraftRequest, s: Speculation, budget: int) -> list[int] | None:
         """The fan-out for ``r`` under ``budget`` with its slots reserved: the full one, else the trunk alone (no
         branches), else None when not even the glue fits."""
-        fan = self._slot_fanout(s, budget)
+        fan = self._slot_fanout(s, budget, r)
         n = r.seq.num_tokens
         if self._reserve(r, n + s.num_nodes + r.k * sum(fan)):
             return fan
         return [0] * len(fan) if self._reserve(r, n + s.num_nodes) else None
 
-    def _slot_fanout(self, s: Speculation, budget: int | None = None) -> list[int]:
-        """F per outcome slot of ``s`` (its root, then every node) under ``budget`` (default: the configured one):
-        the spine's schedule, plus its leaves'."""
+    def _slot_fanout(self, s: Speculation, budget: int | None = None, req: DraftRequest | None = None) -> list[int]:
+        """F per outcome slot of ``s`` (:func:`slot_fanout`) under ``budget`` (default: the configured one), with
+        ``req``'s measured lookup branch; after a backup round, with the backup's own acceptance."""
         fan_cfg = self.config.fanout if budget is None else replace(self.config.fanout, budget=budget)
-        if s.parents is None:
-            a = self.backup_accept_rate if s.source == "backup" else self.accept_rate
-            return fanout_for(fan_cfg, s.k, a, self.miss_exponent)
-        depth = node_depths(s.parents)
-        leaves = [0] * s.k
-        for i in range(s.k, s.num_nodes):
-            leaves[depth[i] - 1] += 1
-        return tree_fanout(fan_cfg, s.k, leaves, self.accept_rate, self.miss_exponent, self.leaf_rate)
+        a = self.backup_accept_rate if s.source == "backup" else self.accept_rate
+        ends = (req.lookup_stats if req is not None else LookupStats()).end
+        return slot_fanout(fan_cfg, s, a, self.miss_exponent, self.leaf_rate, [e.value for e in ends])
 
     def _build(self, reqs: list[DraftRequest], specs: list[Speculation], fans: list[list[int]]) -> list[BranchBundle]:
         glue_items = []
@@ -299,7 +294,7 @@ class SSDDrafter:
         branches: list[list[tuple[int, int]]] = []
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S's spine (speculatively)
-            r.base_source = s.source
+            r.base_source, r.base_lookup = s.source, s.lookup_from
             roots = []
             r.candidates = {}
             rows = glue_logits[i, : s.num_nodes + 1].clone()
@@ -308,11 +303,8 @@ class SSDDrafter:
                 rows[drafted[0], drafted[1]] = float("-inf")
             width = min(rows.shape[-1], max(max(fan), min(MAX_RANK, rows.shape[-1] - 1)))
             ranked_rows = to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
-            children = [set() for _ in ranked_rows]
-            for par, tok in zip(s.tree_parents, s.token_ids):
-                children[par + 1].add(tok)
-            for j, ranked in enumerate(ranked_rows):
-                ranked = [t for t in ranked if t not in children[j]]  # (a small vocabulary runs out of others)
+            for j, ranked in enumerate(bonus_candidates(ranked_rows, s.tree_parents, s.token_ids,
+                                                        self._slot_guesses(r, s))):
                 r.candidates[j] = ranked[:MAX_RANK]
                 roots.extend((j, t) for t in ranked[: fan[j]])
             branches.append(roots)
@@ -349,15 +341,19 @@ class SSDDrafter:
                 n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on
                 positions = [n + len(p) + step + 1 for p in paths[i]]
                 toks, qs = self._pick_rows(reqs[i], logits[j, :m], positions)
-                sides = self._pick_leaves(reqs[i], logits[j, :m], toks, qs, positions, leaves[i][step])
+                sides = pick_leaves(reqs[i].seq, logits[j, :m], toks, qs, positions, leaves[i][step])
                 for b, (tok, (side, side_q)) in enumerate(zip(toks, sides)):
                     grown[i][b].add(tok, qs[b] if qs is not None else None, side, side_q)
                     now_tokens[i][b] = tok
         now = time.perf_counter()
         bundles = []
         for i, (r, br) in enumerate(zip(reqs, branches)):
-            entries = {key: grown[i][b].speculation() for b, key in enumerate(br)} if not self.config.drop_cache \
-                else {}
+            keep = self._lookup_keep(r)
+            path_tokens = [[specs[i].token_ids[p] for p in path] for path in paths[i]]
+            lookups = [r.lookup.propose(path + [key[1]], lookup_depth(r.k)) if keep else []  # (the outcome's context)
+                       for path, key in zip(path_tokens, br)]
+            entries = {key: grown[i][b].speculation("cache", lookups[b], keep)
+                       for b, key in enumerate(br)} if not self.config.drop_cache else {}
             bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now,
                                         base_parents=specs[i].parents))
         return bundles
@@ -366,11 +362,13 @@ class SSDDrafter:
         """Feed the estimators with a real outcome of this drafter's own speculation: the spine's acceptance, the
         leaves' (when the spine was rejected where it had leaves), and the bonus's rank at its slot."""
         spine = Speculation(ev.verified, parents=ev.parents).k
-        on_spine = ev.spine_accepted
-        off = ev.key[0] > len(ev.path)
+        on_spine, path = ev.spine_accepted, ev.path
+        first = len(ev.verified) if req.base_lookup is None else req.base_lookup  # the lookup branch's first node
+        off = bool(path) and spine <= path[-1] < first  # the round ended on a leaf
         if spine > 0:
             (self.backup_acceptance if req.base_source == "backup" else self.acceptance).update(on_spine, spine)
-        beside = [i for i in range(spine, len(ev.verified)) if ev.parents and ev.parents[i] == on_spine - 1]
+        req.lookup_stats.observe(first, len(ev.verified), path)
+        beside = [i for i in range(spine, first) if ev.parents and ev.parents[i] == on_spine - 1]
         if on_spine < spine and beside:
             self.leaf.update(off)
             taken = ev.path[-1] if off else None

@@ -252,7 +252,7 @@ def unpack_sparse_probs(ids_blob: bytes, vals_blob: bytes, rows: int, width: int
 
 def speculation_to_pb(spec: Speculation) -> pb.Speculation:
     msg = pb.Speculation(token_ids=pack_ids(spec.token_ids), source=spec.source,
-                         parents=pack_parents(spec.parents or None))
+                         parents=pack_parents(spec.parents or None), lookup_from=spec.lookup_from)
     if spec.draft_probs is not None:
         sparse = pack_sparse_probs(spec.draft_probs)
         if sparse is None:
@@ -268,7 +268,11 @@ def speculation_from_pb(msg: pb.Speculation, vocab_size: int) -> Speculation:
         probs = unpack_sparse_probs(msg.prob_ids, msg.prob_values, len(ids), msg.prob_width, vocab_size)
     else:
         probs = unpack_probs(msg.draft_probs, len(ids), vocab_size)
-    return Speculation(ids, probs, msg.source or "cache", unpack_parents(msg.parents))
+    parents = unpack_parents(msg.parents)
+    lookup = msg.lookup_from if msg.HasField("lookup_from") else None
+    if lookup is not None and (parents is None or not 0 <= lookup < len(ids)):
+        raise ValueError(f"lookup_from {lookup} is not a node of this {len(ids)}-node tree")
+    return Speculation(ids, probs, msg.source or "cache", parents, lookup)
 
 
 def message_to_pb(msg: object) -> pb.DrafterMessage:

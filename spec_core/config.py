@@ -6,7 +6,7 @@ Imports no torch at module level, so the CLI validates flags and input files bef
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from spec_core.fanout import FanoutConfig
@@ -153,6 +153,12 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def lookup_depth(k: int) -> int:
+    """How deep a tree's prompt-lookup branch may reach at lookahead ``k``: 2K (16 at most). A copied run is often
+    longer than what the draft gets right, and under ``--tree auto`` each of its nodes must pay for itself."""
+    return min(2 * k, 16)
+
+
 #: The most leaves ``--tree auto`` may choose per spine depth (widths; the verifier reserves KV slots for it).
 AUTO_TREE_CEILING = (5, 3, 2)
 
@@ -168,10 +174,16 @@ class TreeShape:
 
     ``auto`` (written ``auto`` or ``auto:W1,W2,...``): ``widths`` is a ceiling, and the drafter chooses the leaves
     per depth for every bundle from measured acceptance (the spine's and each leaf rank's) and the verifier's
-    measured cost of one more tree node (:meth:`drafter_service.ssd_drafter.SSDDrafter.leaves_for`)."""
+    measured cost of one more tree node (:meth:`drafter_service.ssd_drafter.SSDDrafter.leaves_for`).
+
+    ``lookup`` (suffix ``+lookup``; on by default for ``auto``, off with ``+nolookup``): a greedy request's tree also
+    gets a *prompt-lookup branch*, the n-gram continuation of the outcome's context (:mod:`spec_core.ngram`), merged
+    with the spine where they agree and hung beside it from where they part, at most :func:`lookup_depth` deep. It
+    costs the drafter no forward; under ``auto`` its nodes are kept while their measured acceptance pays for their verify cost."""
 
     widths: tuple[int, ...] = ()
     auto: bool = False
+    lookup: bool = False
 
     def __post_init__(self) -> None:
         if len(self.widths) > 16 or any(not 1 <= w <= 8 for w in self.widths):
@@ -183,19 +195,26 @@ class TreeShape:
 
     @property
     def is_chain(self) -> bool:
-        return all(w == 1 for w in self.widths)
+        return all(w == 1 for w in self.widths) and not self.lookup
 
     def leaves(self, k: int) -> list[int]:
         """Leaves beside spine node d (depth d + 1) for d < k."""
         return [(self.widths[d] - 1 if d < len(self.widths) else 0) for d in range(k)]
 
+    def max_nodes(self, k: int) -> int:
+        """The most nodes of a speculation at lookahead ``k``: the spine, its leaves and the lookup branch."""
+        return k + sum(self.leaves(k)) + (lookup_depth(k) if self.lookup else 0)
+
     @classmethod
     def parse(cls, text: str) -> TreeShape:
         text = str(text).strip().lower()
+        for suffix, on in (("+lookup", True), ("+nolookup", False)):
+            if text.endswith(suffix):
+                return replace(cls.parse(text[: -len(suffix)]), lookup=on)
         if text == "auto":
-            return cls(AUTO_TREE_CEILING, auto=True)
+            return cls(AUTO_TREE_CEILING, auto=True, lookup=True)
         if text.startswith("auto:"):
-            return cls(cls.parse(text[5:]).widths, auto=True)
+            return cls(cls.parse(text[5:]).widths, auto=True, lookup=True)
         try:
             if text == "chain":
                 return cls()
@@ -208,6 +227,10 @@ class TreeShape:
                              f"4,2), got {text!r}") from None
 
     def __str__(self) -> str:
+        suffix = ("" if self.lookup else "+nolookup") if self.auto else ("+lookup" if self.lookup else "")
+        return self._widths_str() + suffix
+
+    def _widths_str(self) -> str:
         widths = self.widths
         while widths and widths[-1] == 1:
             widths = widths[:-1]
@@ -221,7 +244,7 @@ class TreeShape:
 
 
 #: The default candidate tree for ``--mode ssd`` (``ssd bench --sweep tree`` measures the alternatives).
-SSD_DEFAULT_TREE = TreeShape(AUTO_TREE_CEILING, auto=True)
+SSD_DEFAULT_TREE = TreeShape(AUTO_TREE_CEILING, auto=True, lookup=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +268,9 @@ class SSDConfig:
     #: ... and for sampled ones (leaves are i.i.d. draws). A chain by default: at T = 0.8 on the real pair,
     #: trees halved the cache-hit rate and ran slower than chains (README, "SSD candidate trees").
     sampled_tree: TreeShape = field(default_factory=TreeShape)
+    #: Guess each outcome's bonus with prompt lookup as well as the draft: its guess is every slot's first
+    #: candidate (:func:`drafter_service.candidate_trees.bonus_candidates`). Trees and chains alike.
+    lookup_bonus: bool = True
     #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
     #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit
     #: (many requests, a slow drafter). None always builds the full budget. An in-process (loopback) drafter,
@@ -253,8 +279,8 @@ class SSDConfig:
 
     @property
     def max_nodes(self) -> int:
-        """The largest speculation this drafter sends: K spine nodes and the tree's leaves."""
-        return self.k + max(sum(self.tree.leaves(self.k)), sum(self.sampled_tree.leaves(self.k)))
+        """The largest speculation this drafter sends: K spine nodes, the tree's leaves and its lookup branch."""
+        return max(self.tree.max_nodes(self.k), self.sampled_tree.max_nodes(self.k))
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 16:

@@ -108,19 +108,24 @@ def fanout_for(config: FanoutConfig, k: int, a: float, r: float) -> list[int]:
 RHO_MIN, RHO_MAX = 0.02, 0.98
 
 
-def tree_fanout(config: FanoutConfig, k: int, leaves: list[int], a: float, r: float, rho: float) -> list[int]:
+def tree_fanout(config: FanoutConfig, k: int, leaves: list[int], a: float, r: float, rho: float,
+                lookup_end: list[float] | None = None) -> list[int]:
     """Fan-out per outcome slot of a spine of ``k`` tokens with ``leaves[d]`` leaves beside spine node d
-    (:class:`spec_core.config.TreeShape`): slots 0..k are the spine's (slot j: j spine tokens accepted), then one
-    slot per leaf in node order (that leaf accepted). Without leaves this is :func:`fanout_for`.
+    (:class:`spec_core.config.TreeShape`) and a prompt-lookup branch: slots 0..k are the spine's (slot j: j spine
+    tokens accepted), then one slot per leaf in node order (that leaf accepted), then one per lookup node
+    (``lookup_end[m]``: the measured chance that a round ends on lookup node m). Without leaves or lookup nodes
+    this is :func:`fanout_for`.
 
     ``rho`` is the chance that, the spine being rejected at a node with leaves, one of them is accepted (split
     evenly among them). The geometric weights then follow the same rule F ∝ P^(1/(1+r)) over the outcome
-    probabilities: the spine slot j < k keeps P(j)(1 - rho) and each leaf at depth j + 1 gets P(j) rho / leaves[j].
+    probabilities: the spine slot j < k keeps P(j)(1 - rho) and each leaf at depth j + 1 gets P(j) rho / leaves[j];
+    lookup node m gets lookup_end[m] (all relative to the weights' common factor 1 - a).
     """
-    if not any(leaves):
+    lookup_end = lookup_end or []
+    if not any(leaves) and not lookup_end:
         return fanout_for(config, k, a, r)
     _check_k_budget(k, config.budget)
-    n_slots = k + 1 + sum(leaves)
+    n_slots = k + 1 + sum(leaves) + len(lookup_end)
     if config.kind == "uniform":
         return uniform_fanout(n_slots - 1, config.budget)
     rho = min(max(rho, RHO_MIN), RHO_MAX)
@@ -128,4 +133,5 @@ def tree_fanout(config: FanoutConfig, k: int, leaves: list[int], a: float, r: fl
     w = geometric_weights(k, a, r)
     spine = [w[j] * ((1.0 - rho) ** e if j < len(leaves) and leaves[j] else 1.0) for j in range(k)] + [w[k]]
     side = [w[j] * (rho / leaves[j]) ** e for j in range(min(k, len(leaves))) for _ in range(leaves[j])]
-    return _largest_remainder(spine + side, config.budget)
+    tail = [(min(max(p, 0.0), 1.0) / (1.0 - min(a, A_MAX))) ** e for p in lookup_end]
+    return _largest_remainder(spine + side + tail, config.budget)

@@ -39,3 +39,43 @@ def backup_tokens(tokens: list[int], k: int, kind: str) -> list[int]:
     if kind == "none":
         return []
     raise ValueError(f"unknown backup {kind!r}; choose ngram or none")
+
+
+class NgramIndex:
+    """Prompt lookup over a growing token list in O(max_n) per query: the two latest starts of every n-gram
+    (n <= ``max_n``). ``propose(ext, k)`` equals ``propose_ngram(tokens + ext, k, max_n)`` for the synced ``tokens``
+    (tested), so the drafter can look up every outcome's context (its tokens, a speculative path and a bonus)
+    without copying or rescanning the prefix."""
+
+    def __init__(self, max_n: int = 3) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._starts: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def sync(self, tokens: list[int]) -> None:
+        """Index ``tokens``: an extension of the last ones synced (anything else is indexed from scratch)."""
+        old = len(self.tokens)
+        if len(tokens) < old or tokens[:old] != self.tokens:
+            self._starts, old = {}, 0
+        self.tokens = list(tokens)
+        for end in range(old, len(tokens)):
+            for n in range(1, min(self.max_n, end + 1) + 1):
+                gram = tuple(tokens[end - n + 1: end + 1])
+                self._starts[gram] = (end - n + 1, self._starts.get(gram, (-1, -1))[0])
+
+    def propose(self, ext: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens continuing the longest suffix match of ``tokens + ext``; [] if none."""
+        base, size = len(self.tokens), len(self.tokens) + len(ext)
+        if k <= 0:
+            return []
+        at = lambda i: self.tokens[i] if i < base else ext[i - base]  # noqa: E731
+        for n in range(min(self.max_n, size - 1), 0, -1):
+            suffix = [at(i) for i in range(size - n, size)]
+            start = next((s for s in range(size - n - 1, max(base - n, -1), -1)
+                          if all(at(s + j) == suffix[j] for j in range(n))), None)
+            if start is None:
+                latest, before = self._starts.get(tuple(suffix), (-1, -1))
+                start = latest if 0 <= latest <= size - n - 1 else (before if before >= 0 else None)
+            if start is not None and start + n < size:
+                return [at(i) for i in range(start + n, min(start + n + k, size))]
+        return []

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from spec_core.config import SamplingParams
+from spec_core.config import SamplingParams, lookup_depth
 
 
 def chain_parents(n: int) -> list[int]:
@@ -76,6 +76,9 @@ class Speculation:
     draft_probs: torch.Tensor | None = None
     source: str = "cache"
     parents: list[int] | None = None
+    #: The first node of the tree's prompt-lookup branch (its nodes are the last ones; None: no such branch): it may
+    #: reach deeper than the spine (:func:`spec_core.config.lookup_depth`), and the drafter measures it apart.
+    lookup_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.parents is not None:
@@ -98,8 +101,9 @@ class Speculation:
         return self.parents if self.parents is not None else chain_parents(len(self.token_ids))
 
     def truncated(self, k: int, max_nodes: int | None = None) -> Speculation:
-        """The nodes of depth <= ``k`` (a speculation drafted for a longer lookahead, used at ``k``), and of those
-        the first ``max_nodes`` (a prefix of a topologically ordered tree is a tree: the verifier's node budget)."""
+        """The nodes a verifier at lookahead ``k`` keeps (a speculation drafted for a longer one, used at ``k``):
+        depth <= ``k``, and <= :func:`lookup_depth` ``(k)`` on the prompt-lookup branch; of those the first
+        ``max_nodes`` (a prefix of a topologically ordered tree is a tree: the verifier's node budget)."""
         if self.parents is None:
             k = min(k, max_nodes) if max_nodes is not None else k
             if k >= len(self.token_ids):
@@ -107,13 +111,16 @@ class Speculation:
             return Speculation(self.token_ids[:k], None if self.draft_probs is None else self.draft_probs[:k],
                                self.source)
         depth = node_depths(self.parents)
-        keep = [i for i, d in enumerate(depth) if d <= k][:max_nodes]
+        first = len(depth) if self.lookup_from is None else self.lookup_from
+        keep = [i for i, d in enumerate(depth) if d <= (k if i < first else lookup_depth(k))][:max_nodes]
         if len(keep) == len(self.token_ids):
             return self
         new = {old: j for j, old in enumerate(keep)}
         probs = None if self.draft_probs is None else self.draft_probs[keep]
+        lookup = sum(1 for i in keep if i < first)
         return Speculation([self.token_ids[i] for i in keep], probs, self.source,
-                           [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep])
+                           [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep],
+                           lookup if lookup < len(keep) else None)
 
 
 @dataclass(frozen=True, slots=True)

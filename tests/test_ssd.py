@@ -9,7 +9,7 @@ import torch
 from reference_decoding import generate_ar
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import SamplingParams, SSDConfig, TreeShape
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
@@ -295,7 +295,9 @@ def test_prefill_and_first_outcome_in_one_drafter_batch_keep_its_kv_right(tiny_m
             super().flush()
 
     target = ModelRunner(tiny_models["llama"])
-    cfg = SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=True)
+    # The draft is the target, so every drafted token is accepted (the check below): no prompt-lookup nodes, which
+    # the draft did not choose.
+    cfg = SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=True, tree=TreeShape.parse("auto+nolookup"))
     drafter = SSDDrafter(ModelRunner(tiny_models["llama"]), cfg)
     proposer = SSDProposer(Busy(drafter), 256, wait_fraction=0.5)
     engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4,

@@ -170,7 +170,7 @@ class VerifierServer:
             blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, draft.kv_bytes_per_token(),
                                  cache.block_size, draft.device, 2048)
             proposer = BatchDrafter(draft, DraftConfig(k=sp.k, num_blocks=blocks, block_size=cache.block_size))
-        nodes = sp.k + sum(sp.tree.leaves(sp.k)) if sp.mode == "ssd" else sp.k * branching
+        nodes = sp.tree.max_nodes(sp.k) if sp.mode == "ssd" else sp.k * branching
         sched = replace(c.scheduler, max_spec_nodes=max(1, nodes))
         target = self.pair.target
         blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, target.kv_bytes_per_token(),
@@ -320,6 +320,7 @@ class VerifierServer:
                        fast_backup_steps=s.fast_backup_steps, backup_switch_rounds=proposer.switch_rounds,
                        tree=str(self.config.spec.tree), mean_tree_nodes=s.mean_tree_nodes,
                        max_tree_nodes=s.max_tree_nodes, off_spine_rounds=s.off_spine_rounds,
+                       lookup_nodes=s.lookup_nodes, lookup_tokens=s.lookup_tokens,
                        hits_by_outcome={"all_accepted": s.hits_all_accepted, "rejected": s.hits_rejected,
                                         "off_spine": s.hits_off_spine},
                        misses_by_cause={"late": s.misses_late, "unpredicted": s.misses_unpredicted,

@@ -267,10 +267,10 @@ class SSDProposer:
                                spec.num_nodes, self.max_nodes)
             spec = spec.truncated(k, self.max_nodes)
             probs = to_device(spec.draft_probs, self.device) if spec.draft_probs is not None else None
-            st.verified, st.verified_parents = list(spec.token_ids), spec.parents
+            st.verified, st.verified_parents, st.verified_lookup = list(spec.token_ids), spec.parents, spec.lookup_from
             return TokenTree(spec.tree_parents, list(spec.token_ids), probs)
         tokens = backup_tokens(seq.token_ids, k, self.backup) if k > 0 and st.round > 0 else []
-        st.verified, st.verified_parents = list(tokens), None
+        st.verified, st.verified_parents, st.verified_lookup = list(tokens), None, None
         if self.down_at_round is not None and self.switch_rounds is None and k > 0 and st.round > 0:
             self.switch_rounds = self.stats.rounds - 1 - self.down_at_round  # rounds served otherwise first
         if not tokens:
@@ -293,6 +293,9 @@ class SSDProposer:
             s.tree_nodes += tree.num_nodes
             s.max_tree_nodes = max(s.max_tree_nodes, tree.num_nodes)
             s.off_spine_rounds += int(slot > len(path))
+            if st.verified_lookup is not None:
+                s.lookup_nodes += tree.num_nodes - st.verified_lookup
+                s.lookup_tokens += sum(1 for i in path if i >= st.verified_lookup)
             if st.jit_attempted:
                 s.jit_attempt_rounds += 1
                 s.tokens_on_jit_attempts += tokens

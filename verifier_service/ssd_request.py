@@ -15,6 +15,7 @@ class SSDRequestState:
     round: int = 0
     verified: list[int] = field(default_factory=list)
     verified_parents: list[int] | None = None  # None: ``verified`` is a chain
+    verified_lookup: int | None = None  # its first prompt-lookup node (None: it has none)
     last_key: tuple[int, int] | None = None
     verify_end: float = 0.0
     used_hit: bool = False

@@ -49,6 +49,9 @@ class SSDStats:
     hits_all_accepted: int = 0
     hits_rejected: int = 0
     hits_off_spine: int = 0
+    #: The prompt-lookup branch (:class:`spec_core.config.TreeShape`): its nodes verified, and its tokens accepted.
+    lookup_nodes: int = 0
+    lookup_tokens: int = 0
     #: Why rounds missed: the bundle had the outcome but arrived after the verify ended (it is still used), the
     #: bundle lacked the outcome (the prediction failed), or no bundle for that speculation had arrived.
     misses_late: int = 0

@@ -276,7 +276,7 @@ class DrafterEvent(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., free: _Optional[_Union[Free, _Mapping]] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("token_ids", "draft_probs", "source", "prob_ids", "prob_values", "prob_width", "parents")
+    __slots__ = ("token_ids", "draft_probs", "source", "prob_ids", "prob_values", "prob_width", "parents", "lookup_from")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class Speculation(_message.Message):
     PROB_VALUES_FIELD_NUMBER: _ClassVar[int]
     PROB_WIDTH_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FROM_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     draft_probs: bytes
     source: str
@@ -291,7 +292,8 @@ class Speculation(_message.Message):
     prob_values: bytes
     prob_width: int
     parents: bytes
-    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ..., prob_ids: _Optional[bytes] = ..., prob_values: _Optional[bytes] = ..., prob_width: _Optional[int] = ..., parents: _Optional[bytes] = ...) -> None: ...
+    lookup_from: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., draft_probs: _Optional[bytes] = ..., source: _Optional[str] = ..., prob_ids: _Optional[bytes] = ..., prob_values: _Optional[bytes] = ..., prob_width: _Optional[int] = ..., parents: _Optional[bytes] = ..., lookup_from: _Optional[int] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("slot", "bonus", "speculation")

@@ -1,0 +1,54 @@
+"""How the SSD drafter picks its tokens from a forward's logits: one per row (the spine and every branch), and the
+leaves beside them. Greedy requests take the argmax and the next choices; sampled ones draw with uniforms keyed by
+position (so a pre-drafted branch and a just-in-time draft from the same prefix pick the same tokens) and return
+the exact rows they drew from, which the verifier's rejection test uses."""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_service.candidate_trees import leaf_tokens
+from spec_core.config import SSDConfig
+from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
+from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
+from spec_core.transfer import to_host
+
+
+def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions: list[int], top_f: int
+              ) -> tuple[list[int], torch.Tensor | None]:
+    """One token per row of ``logits [m, V]``, all rows at once: argmax for greedy, else draws from Saguaro's q′
+    (the top ``top_f`` tokens' mass scaled by C) truncated to the top-n (returned, ``[m, V]``: the exact rows the
+    tokens were drawn from). Row i's token sits at ``positions[i]``; its uniform is keyed by that position."""
+    if seq.params.greedy:
+        return to_host(logits.argmax(-1)), None
+    uniforms = torch.cat([seq.uniforms_at(p, 1, DRAFT) for p in positions])
+    n, vocab = config.proposal_top_n, logits.shape[-1]
+    if config.ship_raw_q or not 0 < n < vocab:
+        q = request_probs(logits[None], [seq.params])[0]
+        q_prime = truncate_top_n(saguaro_downweight(q, top_f, config.saguaro_c), n)
+        toks = to_host(sample_from_probs(q_prime, uniforms))
+        return toks, q if config.ship_raw_q else q_prime
+    # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution over the
+    # draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
+    vals, idx = torch.topk(logits.float(), n, dim=-1)
+    small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, config.saguaro_c)
+    local = sample_from_probs(small, uniforms)
+    toks = to_host(idx.gather(-1, local[:, None])[:, 0])
+    q_prime = torch.zeros(logits.shape[0], vocab, device=logits.device).scatter_(-1, idx, small)
+    return toks, q_prime
+
+
+def pick_leaves(seq: Sequence, logits: torch.Tensor, spine: list[int], q: torch.Tensor | None,
+                positions: list[int], extra: int) -> list[tuple[list[int], torch.Tensor | None]]:
+    """``extra`` leaves beside each row's spine token: the draft's next choices for a greedy request; for a sampled
+    one, independent draws (with replacement, keyed uniforms) from the row the spine token was drawn from, which is
+    what sibling recursion in the verifier needs to stay exact."""
+    if not extra:
+        return [([], None) for _ in spine]
+    if q is None:
+        return [(t, None) for t in leaf_tokens(logits, spine, extra)]
+    out = []
+    for row, pos in zip(q, positions):
+        rows = row[None].expand(extra, -1)
+        out.append((to_host(sample_from_probs(rows, seq.uniforms_at(pos, extra, DRAFT_LEAF))), rows))
+    return out
