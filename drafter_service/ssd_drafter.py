@@ -171,8 +171,9 @@ class SSDDrafter:
         return keep
 
     def _slot_guesses(self, req: DraftRequest, s: Speculation) -> list[int | None]:
-        """Prompt lookup's guess at the bonus after every outcome slot of ``s`` (``SSDConfig.lookup_bonus``)."""
-        if not self.config.lookup_bonus:
+        """Prompt lookup's guess at the bonus after every outcome slot of ``s``, where ``req``'s trees have a lookup
+        branch (``SSDConfig.lookup_bonus``)."""
+        if not (self.config.lookup_bonus and self.config.tree.lookup and req.seq.params.greedy):
             return [None] * (s.num_nodes + 1)
         req.lookup.sync(req.seq.token_ids)
         return slot_guesses(req.lookup, s)

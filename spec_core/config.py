@@ -268,8 +268,10 @@ class SSDConfig:
     #: ... and for sampled ones (leaves are i.i.d. draws). A chain by default: at T = 0.8 on the real pair,
     #: trees halved the cache-hit rate and ran slower than chains (README, "SSD candidate trees").
     sampled_tree: TreeShape = field(default_factory=TreeShape)
-    #: Guess each outcome's bonus with prompt lookup as well as the draft: its guess is every slot's first
-    #: candidate (:func:`drafter_service.candidate_trees.bonus_candidates`). Trees and chains alike.
+    #: Where a request's trees have a prompt-lookup branch, guess each outcome's bonus with prompt lookup as well
+    #: as the draft: its guess is every slot's first candidate (:func:`drafter_service.candidate_trees.
+    #: bonus_candidates`). Not for chains: there the hits it adds replace rounds that the n-gram backup served
+    #: better (HumanEval, interleaved: 1.92 against 2.36 tokens per round).
     lookup_bonus: bool = True
     #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
     #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit
