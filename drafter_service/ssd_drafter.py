@@ -221,7 +221,7 @@ class SSDDrafter:
             r = reqs[i]
             r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
             keep = self._lookup_keep(r)
-            out[i] = grown[i].speculation("jit", r.lookup.propose([], lookup_depth(r.k)) if keep else [], keep)
+            out[i] = grown[i].speculation("jit", r.lookup.propose([], lookup_depth(r.k), 2) if keep else [], keep)
         return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class SSDDrafter:
         for i, (r, br) in enumerate(zip(reqs, branches)):
             keep = self._lookup_keep(r)
             path_tokens = [[specs[i].token_ids[p] for p in path] for path in paths[i]]
-            lookups = [r.lookup.propose(path + [key[1]], lookup_depth(r.k)) if keep else []  # (the outcome's context)
+            lookups = [r.lookup.propose(path + [key[1]], lookup_depth(r.k), 2) if keep else []  # the outcome's context
                        for path, key in zip(path_tokens, br)]
             entries = {key: grown[i][b].speculation("cache", lookups[b], keep)
                        for b, key in enumerate(br)} if not self.config.drop_cache else {}

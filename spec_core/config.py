@@ -177,9 +177,10 @@ class TreeShape:
     measured cost of one more tree node (:meth:`drafter_service.ssd_drafter.SSDDrafter.leaves_for`).
 
     ``lookup`` (suffix ``+lookup``; on by default for ``auto``, off with ``+nolookup``): a greedy request's tree also
-    gets a *prompt-lookup branch*, the n-gram continuation of the outcome's context (:mod:`spec_core.ngram`), merged
-    with the spine where they agree and hung beside it from where they part, at most :func:`lookup_depth` deep. It
-    costs the drafter no forward; under ``auto`` its nodes are kept while their measured acceptance pays for their verify cost."""
+    gets a *prompt-lookup branch*: what followed the latest earlier match of the outcome context's last 3 (or 2)
+    tokens (:class:`spec_core.ngram.NgramIndex`), merged with the spine where they agree and hung beside it from
+    where they part, at most :func:`lookup_depth` deep. It costs the drafter no forward; under ``auto`` its nodes
+    are kept while their measured acceptance pays for their verify cost."""
 
     widths: tuple[int, ...] = ()
     auto: bool = False

@@ -63,13 +63,14 @@ class NgramIndex:
                 gram = tuple(tokens[end - n + 1: end + 1])
                 self._starts[gram] = (end - n + 1, self._starts.get(gram, (-1, -1))[0])
 
-    def propose(self, ext: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens continuing the longest suffix match of ``tokens + ext``; [] if none."""
+    def propose(self, ext: list[int], k: int, min_n: int = 1) -> list[int]:
+        """Up to ``k`` tokens continuing the longest (``max_n`` down to ``min_n``) suffix match of ``tokens + ext``;
+        [] if none."""
         base, size = len(self.tokens), len(self.tokens) + len(ext)
         if k <= 0:
             return []
         at = lambda i: self.tokens[i] if i < base else ext[i - base]  # noqa: E731
-        for n in range(min(self.max_n, size - 1), 0, -1):
+        for n in range(min(self.max_n, size - 1), min_n - 1, -1):
             suffix = [at(i) for i in range(size - n, size)]
             start = next((s for s in range(size - n - 1, max(base - n, -1), -1)
                           if all(at(s + j) == suffix[j] for j in range(n))), None)

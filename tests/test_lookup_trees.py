@@ -30,8 +30,8 @@ def test_ngram_index_proposes_what_a_rescan_proposes():
         index.sync(tokens[: rng.randrange(len(tokens) + 1)])
         index.sync(tokens)
         ext = [rng.randrange(vocab) for _ in range(rng.randrange(5))]
-        k = rng.randrange(7)
-        assert index.propose(ext, k) == propose_ngram(tokens + ext, k), (tokens, ext, k)
+        k, min_n = rng.randrange(7), rng.randrange(1, 4)
+        assert index.propose(ext, k, min_n) == propose_ngram(tokens + ext, k, min_n=min_n), (tokens, ext, k, min_n)
     index = NgramIndex()
     index.sync([1, 2, 3, 1, 2])
     index.sync([9, 2, 3, 9, 2])  # not an extension: indexed from scratch
