@@ -361,7 +361,7 @@ class SSDDrafter:
 
     def observe(self, req: DraftRequest, ev: OutcomeEvent) -> None:
         """Feed the estimators with a real outcome of this drafter's own speculation: the spine's acceptance, the
-        leaves' (when the spine was rejected where it had leaves), and the bonus's rank at its slot."""
+        leaves' (when the spine was rejected where it had leaves), the lookup branch's, and the bonus's rank."""
         spine = Speculation(ev.verified, parents=ev.parents).k
         on_spine, path = ev.spine_accepted, ev.path
         first = len(ev.verified) if req.base_lookup is None else req.base_lookup  # the lookup branch's first node

@@ -31,6 +31,12 @@ from verifier_service.api import engine_for_one, run_one
 
 def ranks(n_prompts: int, n_tokens: int) -> list[list[int]]:
     """Per prompt: the rank of each generated target token in the draft's teacher-forced distribution."""
+    return [rk for _, _, rk in decode(n_prompts, n_tokens)]
+
+
+def decode(n_prompts: int, n_tokens: int) -> list[tuple[list[int], int, list[int]]]:
+    """Per prompt: (prompt + the target's continuation, the prompt's length, the draft's rank of each generated
+    token)."""
     pair = default_pair()
     target = ModelRunner(pair["target"], dtype=torch.bfloat16)
     draft = ModelRunner(pair["draft"], dtype=torch.bfloat16)
@@ -48,7 +54,7 @@ def ranks(n_prompts: int, n_tokens: int) -> list[list[int]]:
             logits = draft.forward(cache, torch.tensor([full]), torch.arange(len(full))[None])[0]
         gen = torch.tensor(full[len(ids):])
         rows = logits[len(ids) - 1: len(full) - 1]  # the distribution each generated token was drawn against
-        out.append((rows > rows.gather(1, gen[:, None])).sum(1).tolist())
+        out.append((full, len(ids), (rows > rows.gather(1, gen[:, None])).sum(1).tolist()))
     return out
 
 

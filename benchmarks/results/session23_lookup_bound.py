@@ -2,8 +2,8 @@
 
     python benchmarks/results/session23_lookup_bound.py 8 128        # HumanEval prompts, tokens each
 
-As in ``session22_tree_bound.py``: the target (bf16) decodes each prompt greedily and the draft reads the result
-in one forward, so on hit rounds (whose accepted path is the target's own tokens) every tree's tokens per round
+As in ``session22_tree_bound.py`` (whose :func:`decode` this reuses): the target (bf16) decodes each prompt
+greedily and the draft reads the result in one forward, so on hit rounds (whose accepted path is the target's own tokens) every tree's tokens per round
 follow from the draft's rank of each target token. A lookup branch of depth L is what followed the latest earlier
 match of the context's last 3 (down to ``min_n``) tokens; a tree holding the draft's spine and that branch accepts
 the longer of their matches. Also: how often lookup names the target's next token where the draft's top choice is
@@ -17,38 +17,10 @@ import sys
 
 import torch
 
-from spec_core.chat import encode
-from spec_core.config import SamplingParams
-from spec_core.model_paths import default_pair
-from spec_core.models import load_tokenizer
+from benchmarks.results.session22_tree_bound import decode
 from spec_core.ngram import propose_ngram
-from spec_core.prompts import humaneval_prompts
-from spec_core.runner import ModelRunner
-from spec_core.sequence import Sequence
-from verifier_service.api import engine_for_one, run_one
 
 K = 3
-
-
-def decode(n_prompts: int, n_tokens: int) -> list[tuple[list[int], int, list[int]]]:
-    """Per prompt: (prompt + continuation, prompt length, the draft's rank of each generated token)."""
-    pair = default_pair()
-    target, draft = (ModelRunner(pair[m], dtype=torch.bfloat16) for m in ("target", "draft"))
-    tok = load_tokenizer(pair["target"])
-    engine = engine_for_one(target, None, 0)
-    out = []
-    for i, prompt in enumerate(humaneval_prompts(n_prompts)):
-        ids = encode(tok, prompt)
-        seq = Sequence(f"p{i}", list(ids), SamplingParams(max_new_tokens=n_tokens, ignore_eos=True),
-                       max_len=target.spec.max_positions)
-        run_one(engine, seq)
-        full = seq.token_ids
-        with torch.inference_mode():
-            logits = draft.forward(draft.new_cache(1, len(full) + 1), torch.tensor([full]),
-                                   torch.arange(len(full))[None])[0]
-        rows, gen = logits[len(ids) - 1: len(full) - 1], torch.tensor(full[len(ids):])
-        out.append((full, len(ids), (rows > rows.gather(1, gen[:, None])).sum(1).tolist()))
-    return out
 
 
 def _matched(a: list[int], b: list[int]) -> int:
