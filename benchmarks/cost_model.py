@@ -4,7 +4,8 @@ For one dtype, device and thread count (a *row*), it reports:
 - T(1) of each model (one new token after ``context`` cached tokens) and c = T_draft(1) / T_target(1);
 - V(K) = T_target(K+1) / T_target(1);
 - the target's weight matmuls alone for one token (``target_matmul_t1_s``: the same products, no attention,
-  norms or glue), so T(1) / matmuls says how much of a step is overhead;
+  norms or glue, at the rows T(1) runs as, ``target_t1_rows``, see :mod:`spec_core.row_padding`; and at one row,
+  ``target_matmul_one_row_s``), so T(1) / matmuls says how much of a step is overhead;
 - the memory floor: the bytes of weights one token reads / the measured memory read bandwidth of the same threads
   (``floor_t1_s``), the time below which no runner can go.
 
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from spec_core.quant import matmul
+from spec_core.row_padding import stack_seconds
 from spec_core.runner import ModelRunner
 
 
@@ -64,14 +65,7 @@ def time_forward(runner: ModelRunner, context: int, new_tokens: int, repeats: in
 @torch.inference_mode()
 def time_matmuls(runner: ModelRunner, rows: int = 1, repeats: int = 200) -> float:
     """Median seconds of the runner's weight matmuls alone, for ``rows`` tokens, in its dtype and layout."""
-    mats = runner.weight_matrices()
-    xs = {m.shape[0]: torch.randn(rows, m.shape[0], dtype=runner.dtype, device=runner.device) for m in mats}
-
-    def run() -> None:
-        for m in mats:
-            matmul(xs[m.shape[0]], m)
-
-    return median_time(run, runner.device, repeats)
+    return stack_seconds(runner.weight_matrices(), runner.dtype, runner.device, [rows], repeats)[rows]
 
 
 @torch.inference_mode()
@@ -140,7 +134,8 @@ def pinned(cores: set[int] | None, threads: int):
 
 
 def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: int = 8, core: int | None = 0,
-                  repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1) -> dict:
+                  repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1,
+                  pad_rows: bool = True) -> dict:
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
     then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
     from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
@@ -151,11 +146,15 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
     with pinned(cores, threads):
-        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name))
-        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device)
+        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name),
+                             pad_rows=pad_rows)
+        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, pad_rows=pad_rows)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
-        matmul = time_matmuls(target, 1, repeats)
+        # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
+        rows = target.row_padding.tokens(1, 1) if target.row_padding is not None else 1
+        matmul = time_matmuls(target, rows, repeats)
+        matmul_one = matmul if rows == 1 else time_matmuls(target, 1, repeats)
         v = {k: time_forward(target, context, k + 1, max(5, repeats // 4)) / t1 for k in range(1, k_max + 1)}
         bandwidth = read_bandwidth(target.device)
         busy = None
@@ -165,6 +164,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     weight_bytes = target.weight_bytes_per_token()
     return {"dtype": name, "device": str(target.device), "threads": threads, "context": context,
             "target_t1_s": t1, "target_matmul_t1_s": matmul, "t1_over_matmul": t1 / matmul,
+            "target_t1_rows": rows, "target_matmul_one_row_s": matmul_one,
             "floor_t1_s": weight_bytes / bandwidth, "weight_bytes_per_token": weight_bytes,
             "read_bandwidth_gbs": bandwidth / 1e9, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
             "draft_dtype": draft_name,

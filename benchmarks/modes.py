@@ -103,9 +103,9 @@ class ModeRunner:
             tree = TreeShape.parse(settings.tree if mode == "ssd" else "chain")
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
                                 saguaro_c=settings.saguaro_c, tree=tree)
-            self.local_ssds[mode] = LocalSSD(pair.target, LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype,
-                                                                          adaptive_k=settings.adaptive_k),
-                                             eos_ids=pair.eos_ids).__enter__()
+            local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
+                                       adaptive_k=settings.adaptive_k)
+            self.local_ssds[mode] = LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
         self.planners: dict[str, object] = {}

@@ -47,6 +47,8 @@ class LocalSSDConfig:
     #: the drafter process's dtype and device; ``None``: the target's (see ``LocalSSD._default_draft_dtype``)
     draft_dtype: str | None = None
     draft_device: str | None = None
+    #: Row padding for the drafter's runner (:mod:`spec_core.row_padding`).
+    draft_pad_rows: bool = True
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
 
@@ -76,7 +78,7 @@ class LocalSSD:
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  dtype=cfg.draft_dtype or self._default_draft_dtype(),
-                                 device=cfg.draft_device or str(self.target.device)),
+                                 device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows),
             hello,
         )
 

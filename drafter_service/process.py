@@ -132,6 +132,7 @@ class DrafterProcessConfig:
     core: int | None = 1
     dtype: str = "float32"
     device: str = "cpu"
+    pad_rows: bool = True  #: :mod:`spec_core.row_padding`
     #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
     tree_delay_s: float = 0.0
 
@@ -262,7 +263,8 @@ def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
     torch.set_num_threads(1)
     from spec_core.config import parse_dtype
 
-    runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype), device=config.device)
+    runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype), device=config.device,
+                         pad_rows=config.pad_rows)
     link = PipeLink(conn, role="drafter")
     try:
         first = link.recv_pb()

@@ -88,6 +88,8 @@ class ModelConfig:
     path: str
     dtype: str = "float32"
     device: str = "cpu"
+    #: Pad small forwards to the row count measured fastest at load (:mod:`spec_core.row_padding`).
+    pad_rows: bool = True
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_core.kv_cache import PagedBatch, PagedKVCache
+from spec_core.row_padding import RowPadding
 from spec_core.runner import ModelRunner
 from spec_core.transfer import to_device
 
@@ -59,17 +60,21 @@ def new_token_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = "cpu") -> PagedBatch:
+def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = "cpu",
+         row_padding: RowPadding | None = None) -> PagedBatch:
     """Build the padded tensors for :meth:`ModelRunner.forward_paged`, with one upload.
 
     The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
     the bool mask) that crosses to the device in a single copy; the device views it back into fields. A mask that
-    hides nothing is left out.
+    hides nothing is left out. Pad tokens (ragged rows, and ``row_padding``'s extra tokens and logits rows, see
+    :mod:`spec_core.row_padding`) write to ``scratch_slot``, may attend to every slot and are never read.
     """
     bsz = len(items)
     t_max = max(len(it.token_ids) for it in items)
     s_max = max(len(it.prefix_slots) + len(it.extra_slots) + len(it.token_ids) for it in items)
     l_max = max(1, max(len(it.logits_rows) for it in items))
+    if row_padding is not None:
+        t_max, l_max = row_padding.tokens(bsz, t_max), row_padding.tokens(bsz, l_max)
     widths = (t_max, t_max, t_max, s_max, l_max)  # input_ids, positions, write_slots, kv_slots, logits_index
     ints = torch.zeros(bsz, sum(widths), dtype=torch.long)
     input_ids, positions, write_slots, kv_slots, logits_index = ints.split(widths, dim=1)
@@ -88,7 +93,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         if e:
             mask[b, :t, p : p + e] = it.extra_mask
         mask[b, :t, p + e : p + e + t] = new_token_mask(it.num_pending, it.parents)
-        mask[b, t:, 0] = True  # pad queries see one slot, so softmax stays finite; their output is unused
+        mask[b, t:] = True  # pad queries see every slot (softmax stays finite, the mask may stay all-True); unused
     n_int = ints.numel() * 8
     if bool(mask.all()):
         mask = mask[:0]
@@ -150,14 +155,15 @@ def forward_items(runner: ModelRunner, cache: PagedKVCache, items: list[WorkItem
         overhead = default_group_overhead(runner.device)
     groups = split_by_length([len(it.token_ids) for it in items], overhead)
     if len(groups) == 1:
-        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device))
+        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device, runner.row_padding))
     l_max = max(1, max(len(it.logits_rows) for it in items))
     out = None
     for g in groups:
-        logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device))
+        logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device,
+                                                  runner.row_padding))
         if out is None:
             out = logits.new_zeros(len(items), l_max, logits.shape[-1])
-        out[to_device(g, logits.device, torch.long), : logits.shape[1]] = logits
+        out[to_device(g, logits.device, torch.long), : logits.shape[1]] = logits[:, :l_max]
     return out
 
 

@@ -39,10 +39,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from spec_core import row_padding
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import resolve_model
 from spec_core.ops import RMSNorm, rope_, signed_sin
 from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
+from spec_core.row_padding import RowPadding
 from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -184,7 +186,7 @@ class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str | None = None) -> None:
+                 weights: str | None = None, pad_rows: bool = True) -> None:
         if weights not in (None, "int8", "int4", "w8a8"):
             raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path)
@@ -243,6 +245,14 @@ class ModelRunner:
             from spec_core import w8a8
 
             w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(path))))
+        #: Forwards padded to the row count the weight matmuls run fastest at (:mod:`spec_core.row_padding`),
+        #: measured here at load: CPU runners other than the fp32 exactness reference, unless ``pad_rows`` is off.
+        self.row_padding: RowPadding | None = None
+        if pad_rows and self.device.type == "cpu" and not self.exact:
+            self.row_padding = row_padding.measure(self.weight_matrices(), dtype, self.device)
+            logger.info("%s: rows padded %s (matmul stack at 1..%d rows: %s ms)", path.name,
+                        self.row_padding.padded_sizes() or "never",
+                        row_padding.MAX_ROWS, [round(t * 1e3, 1) for t in self.row_padding.seconds])
 
     @property
     def vocab_size(self) -> int:

@@ -19,9 +19,10 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
     from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()
-    target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device)
+    pad = not getattr(args, "no_pad_rows", False)
+    target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, pad_rows=pad)
     draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None) or draft_dtype(args.dtype),
-                         device=args.device) if need_draft else None)
+                         device=args.device, pad_rows=pad) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
             check_model_dir(cfg.path)
@@ -267,9 +268,12 @@ def cmd_bench_costs(args: argparse.Namespace) -> int:
     rows = []
     for d in dtypes:
         row = measure_costs(pair[0].path, pair[1].path, context=args.context, k_max=args.k_max, core=args.core,
-                            repeats=args.repeats, dtype=d, device=args.device, threads=args.threads)
+                            repeats=args.repeats, dtype=d, device=args.device, threads=args.threads,
+                            pad_rows=not args.no_pad_rows)
         sys.stderr.write(f"{row['dtype']:>9} {row['threads']} thread(s) on {row['device']}: T(1) "
-                         f"{row['target_t1_s'] * 1e3:.1f} ms, matmuls alone {row['target_matmul_t1_s'] * 1e3:.1f} ms, "
+                         f"{row['target_t1_s'] * 1e3:.1f} ms (as {row['target_t1_rows']} row(s)), matmuls alone "
+                         f"{row['target_matmul_t1_s'] * 1e3:.1f} ms ({row['target_matmul_one_row_s'] * 1e3:.1f} at "
+                         f"1 row), "
                          f"floor {row['floor_t1_s'] * 1e3:.1f} ms ({row['weight_bytes_per_token'] / 1e6:.0f} MB at "
                          f"{row['read_bandwidth_gbs']:.1f} GB/s), V(4) {row['V'].get(4, float('nan')):.2f}, "
                          f"c {row['c']:.3f}\n")

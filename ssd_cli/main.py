@@ -27,6 +27,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-pad-rows", action="store_true",
+                   help="run every forward at its own row count (default: small forwards are padded to the row count "
+                        "the CPU's matmuls were measured fastest at, at load; never for fp32)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
