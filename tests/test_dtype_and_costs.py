@@ -53,12 +53,20 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
     assert i4["weight_bytes_per_token"] < 0.75 * i8["weight_bytes_per_token"]  # 4-bit matrices, an int8 head
     assert f32["target_t1_s"] != b16["target_t1_s"]
+    assert f32["target_t1_rows"] == 1  # the fp32 reference is never padded (spec_core.row_padding)
+    assert all(1 <= r["target_t1_rows"] <= 8 and r["target_matmul_one_row_s"] > 0 for r in (b16, i8, i4))
     for r in (f32, b16, i8, i4):
-        report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms, matmuls alone "
+        report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms as {r['target_t1_rows']} row(s), "
+               f"matmuls alone "
                f"{r['target_matmul_t1_s'] * 1e3:.1f} ms, floor {r['floor_t1_s'] * 1e3:.1f} ms, "
                f"V(2) {r['V']['2']:.2f} (3 repeats, context 32, not asserted)")
     bad = ssd("bench-costs", "--dtype", "float32,int3")
     assert bad.returncode == 2 and "unknown dtype" in bad.stderr
+    plain = ssd("bench-costs", "--dtype", "bfloat16", "--no-pad-rows", "--repeats", "2", "--k-max", "1", "--context",
+                "16", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
+    assert plain.returncode == 0, plain.stderr
+    row = json.loads(plain.stdout)["rows"][0]
+    assert row["target_t1_rows"] == 1 and row["target_matmul_t1_s"] == row["target_matmul_one_row_s"]
 
 
 def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):
