@@ -152,7 +152,8 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
-        rows = target.row_padding.tokens(1, 1) if target.row_padding is not None else 1
+        pad = target.row_padding()
+        rows = pad.tokens(1, 1) if pad is not None else 1
         matmul = time_matmuls(target, rows, repeats)
         matmul_one = matmul if rows == 1 else time_matmuls(target, 1, repeats)
         v = {k: time_forward(target, context, k + 1, max(5, repeats // 4)) / t1 for k in range(1, k_max + 1)}

@@ -155,12 +155,12 @@ def forward_items(runner: ModelRunner, cache: PagedKVCache, items: list[WorkItem
         overhead = default_group_overhead(runner.device)
     groups = split_by_length([len(it.token_ids) for it in items], overhead)
     if len(groups) == 1:
-        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device, runner.row_padding))
+        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device, runner.row_padding()))
     l_max = max(1, max(len(it.logits_rows) for it in items))
     out = None
     for g in groups:
         logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device,
-                                                  runner.row_padding))
+                                                  runner.row_padding()))
         if out is None:
             out = logits.new_zeros(len(items), l_max, logits.shape[-1])
         out[to_device(g, logits.device, torch.long), : logits.shape[1]] = logits[:, :l_max]

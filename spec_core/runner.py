@@ -245,18 +245,29 @@ class ModelRunner:
             from spec_core import w8a8
 
             w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(path))))
-        #: Forwards padded to the row count the weight matmuls run fastest at (:mod:`spec_core.row_padding`),
-        #: measured here at load: CPU runners other than the fp32 exactness reference, unless ``pad_rows`` is off.
-        self.row_padding: RowPadding | None = None
-        if pad_rows and self.device.type == "cpu" and not self.exact:
-            self.row_padding = row_padding.measure(self.weight_matrices(), dtype, self.device)
-            logger.info("%s: rows padded %s (matmul stack at 1..%d rows: %s ms)", path.name,
-                        self.row_padding.padded_sizes() or "never",
-                        row_padding.MAX_ROWS, [round(t * 1e3, 1) for t in self.row_padding.seconds])
+        #: Whether forwards are padded to the row count the weight matmuls run fastest at
+        #: (:mod:`spec_core.row_padding`): CPU runners other than the fp32 exactness reference, unless turned off.
+        self.pad_rows = pad_rows and self.device.type == "cpu" and not self.exact
+        #: The measured padding by torch thread count (the fastest row count differs between 1 and 2 threads).
+        self.row_paddings: dict[int, RowPadding] = {}
 
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size
+
+    def row_padding(self) -> RowPadding | None:
+        """The row padding for torch's current thread count, measured on its first use (about a second), or None
+        where this runner does not pad."""
+        if not self.pad_rows:
+            return None
+        threads = torch.get_num_threads()
+        pad = self.row_paddings.get(threads)
+        if pad is None:
+            pad = self.row_paddings[threads] = row_padding.measure(self.weight_matrices(), self.dtype, self.device)
+            logger.info("%s, %d thread(s): rows padded %s (matmul stack at 1..%d rows: %s ms)", self.path.name,
+                        threads, pad.padded_sizes() or "never", row_padding.MAX_ROWS,
+                        [round(t * 1e3, 1) for t in pad.seconds])
+        return pad
 
     def weight_matrices(self) -> list[Weight]:
         """Every weight matrix one decode step multiplies by (``[in, out]``), in order: what a token must read."""

@@ -27,10 +27,19 @@ def test_tokens_pads_to_the_fastest_measured_size_past_the_margin():
 
 def test_measure_times_the_stack_at_every_row_count(tiny_models):
     runner = ModelRunner(tiny_models["llama"], dtype=torch.bfloat16, pad_rows=False)
-    assert runner.row_padding is None
+    assert runner.row_padding() is None
     pad = measure(runner.weight_matrices(), runner.dtype, runner.device, repeats=2)
     assert len(pad.seconds) == 8 and all(s > 0 for s in pad.seconds)
-    assert ModelRunner(tiny_models["llama"]).row_padding is None  # the fp32 reference is never padded
+    assert ModelRunner(tiny_models["llama"]).row_padding() is None  # the fp32 reference is never padded
+    padded = ModelRunner(tiny_models["llama"], dtype=torch.bfloat16)
+    assert padded.row_paddings == {}  # measured on first use, per thread count
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = padded.row_padding()
+        assert one is padded.row_padding() and list(padded.row_paddings) == [1]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _items(gen: torch.Generator) -> tuple[list[WorkItem], list[WorkItem]]:
@@ -51,12 +60,12 @@ def _items(gen: torch.Generator) -> tuple[list[WorkItem], list[WorkItem]]:
 def test_padded_forwards_give_the_real_rows_the_same_logits_and_kv(tiny_models):
     """bf16: the same logits bit for bit, one request or two, whether the step runs as its own rows or padded to
     more; the pad tokens' K/V lands in the scratch slot only."""
-    runner = ModelRunner(tiny_models["llama"], dtype=torch.bfloat16, pad_rows=False)
-    force = RowPadding(tuple([0.02] * 3 + [0.01] * 5))  # every size below 4 rows pads to 4
+    runner = ModelRunner(tiny_models["llama"], dtype=torch.bfloat16)
+    runner.row_paddings[torch.get_num_threads()] = RowPadding(tuple([0.02] * 3 + [0.01] * 5))  # below 4 rows: 4
     for which in ([0], [1], [0, 1]):
         outs, pools = [], []
-        for pad in (None, force):
-            runner.row_padding = pad
+        for pad in (False, True):
+            runner.pad_rows = pad
             cache = runner.new_paged_cache(8, 16)
             prompts, steps = _items(torch.Generator().manual_seed(5))
             forward_items(runner, cache, [prompts[i] for i in which])

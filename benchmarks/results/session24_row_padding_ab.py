@@ -2,7 +2,7 @@
 
     python benchmarks/results/session24_row_padding_ab.py bfloat16 2 8      # dtype, repeats, prompts
 
-One target runner whose ``row_padding`` is swapped per request (measured once at load), one ``LocalSSD`` (its
+One target runner whose ``pad_rows`` is switched per request (its padding measured once, at 1 thread), one ``LocalSSD`` (its
 drafter pads its own forwards throughout) with a planner per SSD variant, since the planner learns the step's
 costs; variants interleaved prompt by prompt (the order reversed every other one), 128 greedy tokens on HumanEval.
 Also times the target's forward alone at 1-4 tokens (context 300), both ways, interleaved.
@@ -31,7 +31,7 @@ from verifier_service.adaptive import AdaptiveK
 from verifier_service.api import engine_for_one, run_one
 
 
-def forward_ms(target, pad, repeats: int = 25, context: int = 300) -> dict[str, float]:
+def forward_ms(target, repeats: int = 25, context: int = 300) -> dict[str, float]:
     """Median ms of the target's forward over m = 1..4 new tokens (a chain), padded and not, interleaved."""
     cache = target.new_paged_cache(64, 16)
     ids = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -42,20 +42,20 @@ def forward_ms(target, pad, repeats: int = 25, context: int = 300) -> dict[str, 
     for _ in range(repeats):
         for key in times:
             m = int(key[0])
-            target.row_padding = pad if key.endswith("pad") else None
+            target.pad_rows = key.endswith("pad")
             item = WorkItem(list(range(span)), [ids[-1]] + [5] * (m - 1), list(range(span, span + m)),
                             list(range(span, span + m)), 1, list(range(-1, m - 2)), list(range(m)))
             t0 = time.perf_counter()
             forward_items(target, cache, [item])
             times[key].append(time.perf_counter() - t0)
-    target.row_padding = pad
+    target.pad_rows = True
     return {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
 
 
 def main(dtype: str, repeats: int, n: int) -> dict:
     pair = default_pair()
     target = _target(dtype)
-    pad = target.row_padding
+    pad = target.row_padding()
     tok = load_tokenizer(pair["target"])
     ar_engine = engine_for_one(target, None, 0)
     variants = ["ar", "ar-pad", "ssd", "ssd-pad"]
@@ -64,12 +64,12 @@ def main(dtype: str, repeats: int, n: int) -> dict:
     prompts = [encode(tok, p) for p in humaneval_prompts(n)]
     cfg = LocalSSDConfig(pair["draft"], SSDConfig(k=3), verifier_core=0, drafter_core=1)
     with torch.inference_mode():
-        forward = forward_ms(target, pad)
+        forward = forward_ms(target)
     with LocalSSD(target, cfg) as local:
         for r in range(repeats):
             for i, ids in enumerate(prompts):
                 for v in variants if (r + i) % 2 == 0 else variants[::-1]:
-                    target.row_padding = pad if v.endswith("pad") else None
+                    target.pad_rows = v.endswith("pad")
                     params = SamplingParams(max_new_tokens=128, ignore_eos=True)
                     if v.startswith("ar"):
                         seq = Sequence(f"{v}{r}-{i}", list(ids), params, max_len=target.spec.max_positions)
@@ -78,7 +78,7 @@ def main(dtype: str, repeats: int, n: int) -> dict:
                         local.engine.adaptive = planners[v]
                         _, stats, _ = generate_ssd(local, ids, params, request_id=f"{v}{r}-{i}")
                     runs[v].append((stats.num_generated - 1, stats.decode_s, stats.num_rounds))
-    target.row_padding = pad
+    target.pad_rows = True
     tps = {v: sum(t for t, _, _ in x) / sum(s for _, s, _ in x) for v, x in runs.items()}
     out = {v: {"tok_s": round(tps[v], 1), "x_ar": round(tps[v] / tps["ar"], 3),
                "median_request_tok_s": round(statistics.median(t / s for t, s, _ in x), 1),
