@@ -129,11 +129,45 @@ def auto_leaves(cap: list[int], accept_rate: float, leaf_rates: list[float], nod
     return out
 
 
+def spine_tokens(accept_rate: float, k: int) -> float:
+    """A K-spine's expected tokens per round, bonus included: ``(1 - a^(K+1)) / (1 - a)``."""
+    a = min(accept_rate, 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 def node_price(node_cost: float, accept_rate: float, k: int) -> float:
     """What one more tree node costs in expected tokens per round: ``node_cost`` (its share of the verify) times
-    a K-spine's expected tokens per round, ``(1 - a^(K+1)) / (1 - a)``."""
-    a = min(accept_rate, 0.999)
-    return node_cost * (1 - a ** (k + 1)) / (1 - a)
+    a K-spine's expected tokens per round (:func:`spine_tokens`)."""
+    return node_cost * spine_tokens(accept_rate, k)
+
+
+def step_time(step_s: list[float], n: int) -> float:
+    """A step of ``n`` tokens from the table ``step_s`` (``step_s[i]``: i + 1 tokens), extended past its end along
+    its last two sizes."""
+    if n <= len(step_s):
+        return step_s[max(n, 1) - 1]
+    slope = max(step_s[-1] - step_s[-2], 0.0) if len(step_s) > 1 else 0.0
+    return step_s[-1] + slope * (n - len(step_s))
+
+
+def lookup_for_steps(accept: list[float], spine_tokens: float, base: int, step_s: list[float]) -> int:
+    """How many lookup nodes m make a round most productive: the m in 0..len(accept) maximising
+    ``(spine_tokens + Σ_{j<m} accept_j) / T(base + m)``.
+
+    ``accept[j]``: lookup node j's measured P(accepted | drafted), the tokens it adds (held non-increasing: node j
+    is only accepted after node j - 1); ``spine_tokens``: a round's expected tokens without the branch;
+    ``base``: the step's tokens without it (other requests', the root, spine and leaves); ``step_s``: the
+    verifier's measured step seconds by size (:class:`spec_core.estimators.StepTimes`). Unlike a price per node,
+    this sees the verify's stair: nodes that fit below it are free, and a node past it pays only together with
+    the ones behind it."""
+    best, best_rate, gain, cap = 0, spine_tokens / step_time(step_s, base), spine_tokens, 1.0
+    for m, a in enumerate(accept, start=1):
+        cap = min(cap, max(a, 0.0))
+        gain += cap
+        rate = gain / step_time(step_s, base + m)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = m, rate
+    return best
 
 
 #: While its measured acceptance keeps a request's lookup branch out, one build in this many drafts it anyway, so
@@ -163,6 +197,19 @@ class LookupStats:
         n = 0
         while n < min(most, len(self.accept)) and self.accept[n].value > price:
             n += 1
+        return self._explore(n, most)
+
+    def budget(self, most: int, accept_rate: float, k: int, base: int, step_s: list[float] | None,
+               node_cost: float | None) -> int:
+        """The next build's lookup nodes for a K-spine of acceptance ``accept_rate`` in a step of ``base`` other
+        tokens: priced by the verifier's measured step times where given (:func:`lookup_for_steps`), else by its
+        per-node cost (:meth:`keep`; all ``most`` without either)."""
+        if step_s:
+            accept = [e.value for e in self.accept[:most]]
+            return self._explore(lookup_for_steps(accept, spine_tokens(accept_rate, k), base, step_s), most)
+        return self.keep(most, node_price(node_cost, accept_rate, k) if node_cost else None)
+
+    def _explore(self, n: int, most: int) -> int:
         if n == 0:
             self.priced_out += 1
             n = most if self.priced_out % LOOKUP_EXPLORE_EVERY == 0 else 0

@@ -209,6 +209,8 @@ class DrafterLoop:
                    and bundle.base_parents == ev.parents)
             if ev.node_cost is not None:
                 self.drafter.node_cost = ev.node_cost
+            if ev.step_s is not None:
+                self.drafter.step_s, self.drafter.step_others = ev.step_s, ev.step_others
             if ev.verify_s:
                 self.drafter.verify_s = ev.verify_s
             hit = own and ev.key in bundle.entries

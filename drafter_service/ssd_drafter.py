@@ -40,7 +40,6 @@ from drafter_service.candidate_trees import (
     LookupStats,
     auto_leaves,
     bonus_candidates,
-    node_price,
     slot_fanout,
     slot_guesses,
 )
@@ -108,6 +107,9 @@ class SSDDrafter:
         self.leaf_rank = [RateEstimator(prior=0.3 / (r + 1)) for r in range(8)]
         #: The verifier's cost of one more tree node as a fraction of its verify (from its outcomes).
         self.node_cost: float | None = None
+        #: Its measured step seconds by size, and the other requests' tokens in its last step (from its outcomes).
+        self.step_s: list[float] | None = None
+        self.step_others = 0
         self.accept_rate = self.acceptance.value
         self.backup_accept_rate = self.backup_acceptance.value
         self.miss_exponent = self.miss.r
@@ -164,8 +166,10 @@ class SSDDrafter:
         tree = self.config.tree
         if not (tree.lookup and req.seq.params.greedy and req.k > 0):
             return 0
-        price = node_price(self.node_cost, self.accept_rate, req.k) if tree.auto and self.node_cost else None
-        keep = req.lookup_stats.keep(lookup_depth(req.k), price)
+        steps = self.step_s if tree.auto and self.config.price_by_step else None
+        base = self.step_others + 1 + req.k + sum(self._leaves(req, req.k))  # the step's tokens but the branch's
+        keep = req.lookup_stats.budget(lookup_depth(req.k), self.accept_rate, req.k, base, steps,
+                                       self.node_cost if tree.auto else None)
         if keep:
             req.lookup.sync(req.seq.token_ids)
         return keep

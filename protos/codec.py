@@ -15,6 +15,7 @@ import torch
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core.chat import ChatPrompt, Prompt
 from spec_core.config import SamplingParams
+from spec_core.estimators import STEP_TABLE_TOKENS
 from spec_core.speculation import BranchBundle, FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
 
 PROTOCOL_VERSION = 1
@@ -203,10 +204,20 @@ def event_to_pb(ev: object) -> pb.DrafterEvent:
         return pb.DrafterEvent(outcome=pb.Outcome(
             request_id=ev.request_id, round=ev.round, verified_ids=pack_ids(ev.verified),
             num_accepted=ev.num_accepted, bonus=ev.bonus, next_k=ev.next_k, verify_s=ev.verify_s,
-            no_jit=not ev.jit, verified_parents=pack_parents(ev.parents), slot=ev.slot, node_cost=ev.node_cost))
+            no_jit=not ev.jit, verified_parents=pack_parents(ev.parents), slot=ev.slot, node_cost=ev.node_cost,
+            step_s=ev.step_s or [], step_others=ev.step_others))
     if isinstance(ev, FreeEvent):
         return pb.DrafterEvent(free=pb.Free(request_id=ev.request_id))
     raise TypeError(f"not a drafter event: {type(ev).__name__}")
+
+
+def _step_table(values) -> list[float] | None:
+    """An outcome's step-time table (None when empty), checked: at most ``STEP_TABLE_TOKENS`` finite positive
+    seconds."""
+    table = list(values)
+    if len(table) > STEP_TABLE_TOKENS or not all(math.isfinite(t) and t > 0 for t in table):
+        raise ValueError(f"step_s must be at most {STEP_TABLE_TOKENS} finite positive seconds")
+    return table or None
 
 
 def event_from_pb(msg: pb.DrafterEvent) -> object:
@@ -222,7 +233,8 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
         return OutcomeEvent(o.request_id, o.round, unpack_ids(o.verified_ids), o.num_accepted, o.bonus, o.next_k,
                             verify_s=o.verify_s, jit=not o.no_jit, parents=unpack_parents(o.verified_parents),
                             slot=o.slot if o.HasField("slot") else None,
-                            node_cost=o.node_cost if o.HasField("node_cost") else None)
+                            node_cost=o.node_cost if o.HasField("node_cost") else None,
+                            step_s=_step_table(o.step_s), step_others=max(0, o.step_others))
     if kind == "free":
         return FreeEvent(msg.free.request_id)
     raise ValueError(f"unexpected drafter event {kind!r}")

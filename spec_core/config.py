@@ -276,6 +276,9 @@ class SSDConfig:
     #: bonus_candidates`). Not for chains: there the hits it adds replace rounds that the n-gram backup served
     #: better (HumanEval, interleaved: 1.92 against 2.36 tokens per round).
     lookup_bonus: bool = True
+    #: ``--tree auto`` sizes the lookup branch by the verifier's measured step time at each size (a staircase),
+    #: where the verifier sends one; off: by its per-node cost, a line's slope (before session 24).
+    price_by_step: bool = True
     #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
     #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit
     #: (many requests, a slow drafter). None always builds the full budget. An in-process (loopback) drafter,

@@ -156,6 +156,10 @@ class OutcomeEvent:
     slot: int | None = None
     #: The verifier's measured cost of one more tree node, as a fraction of its current verify (None: unknown).
     node_cost: float | None = None
+    #: Its step seconds by step size (``step_s[i]``: i + 1 tokens; None: not yet measured), and the tokens of the
+    #: other requests in its last step, for the drafter's ``--tree auto`` (``StepTimes``).
+    step_s: list[float] | None = None
+    step_others: int = 0
 
     @property
     def key(self) -> tuple[int, int]:

@@ -10,9 +10,17 @@ import torch
 from test_ssd import _reference
 from test_ssd_trees import _loopback_run
 
-from drafter_service.candidate_trees import LOOKUP_EXPLORE_EVERY, GrowingTree, LookupStats, bonus_candidates
+from drafter_service.candidate_trees import (
+    LOOKUP_EXPLORE_EVERY,
+    GrowingTree,
+    LookupStats,
+    bonus_candidates,
+    lookup_for_steps,
+    step_time,
+)
 from protos import codec
 from spec_core.config import SSD_DEFAULT_TREE, SSDConfig, TreeShape, lookup_depth
+from spec_core.estimators import STEP_TABLE_TOKENS, LinearCost, StepTimes
 from spec_core.fanout import FanoutConfig, tree_fanout
 from spec_core.ngram import NgramIndex, propose_ngram
 from spec_core.runner import ModelRunner
@@ -114,6 +122,40 @@ def test_lookup_nodes_are_kept_while_they_pay_and_probed_when_they_do_not():
         stats.observe(0, 3, [])
     kept = [stats.keep(6, 0.5) for _ in range(2 * LOOKUP_EXPLORE_EVERY)]
     assert kept.count(6) == 2 and kept.count(0) == 2 * LOOKUP_EXPLORE_EVERY - 2
+
+
+#: A staircase like bf16's here (ms by tokens 1..12): flat to 6, +13% at 7, then about 1.3 ms a token.
+STAIR = [t / 1e3 for t in (27.0, 27.1, 27.5, 26.3, 26.9, 27.6, 31.3, 32.4, 33.4, 35.1, 36.5, 37.7)]
+
+
+def test_lookup_is_sized_by_the_verifiers_stair():
+    """A spine of 3 with a root (4 tokens) and 2.3 expected tokens: the branch's first two nodes are free; past
+    6 tokens a node pays only if it and those behind it add more than the stair costs. (A line's slope, about
+    1 ms a node here, would keep the first five of DECAY.)"""
+    decay = [0.5, 0.35, 0.25, 0.15, 0.1, 0.05]
+    assert lookup_for_steps(decay, 2.3, 4, STAIR) == 2  # fits below the stair, no further
+    assert lookup_for_steps([0.9] * 6, 2.3, 4, STAIR) == 6  # a repetitive prompt: all of it pays
+    assert lookup_for_steps([0.0] * 6, 2.3, 4, STAIR) == 0
+    assert lookup_for_steps([0.3, 0.9, 0.9], 2.3, 4, STAIR) == 2  # held non-increasing: nodes 1, 2 count 0.3
+    assert lookup_for_steps(decay, 2.3, 9, STAIR) == 4  # a step already past the stair: only the slope is left
+    assert step_time(STAIR, 14) == pytest.approx(STAIR[-1] + 2 * (STAIR[-1] - STAIR[-2]))
+    stats = LookupStats()
+    assert stats.budget(6, 0.6, 3, 4, STAIR, None) == 6  # the prior, 0.3 a node at every depth, pays throughout
+    assert stats.budget(6, 0.6, 3, 4, None, None) == 6  # nothing measured: all
+    assert stats.budget(6, 0.6, 3, 4, None, 0.5) == 0  # a per-node price above the prior's 0.3
+
+
+def test_step_times_fill_unseen_sizes_from_the_line():
+    fit, steps = LinearCost(), StepTimes()
+    assert steps.table(fit) is None
+    for n, t in ((3, 0.027), (7, 0.031), (3, 0.027), (7, 0.031)):
+        fit.observe(n, t)
+        steps.observe(n, t)
+    table = steps.table(fit)
+    assert len(table) == STEP_TABLE_TOKENS and table[2:7:4] == pytest.approx([0.027, 0.031])
+    assert table[4] == pytest.approx(0.029)  # 5 tokens: never seen, from the line
+    steps.observe(STEP_TABLE_TOKENS + 1, 1.0)  # past the table: not kept
+    assert STEP_TABLE_TOKENS + 1 not in steps.seconds
 
 
 def test_fan_out_covers_the_lookup_slots():

@@ -26,6 +26,7 @@ def test_events_round_trip() -> None:
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11)
     for ev in (PrefillEvent("r1", [1, 2, 3], params, 4),
                OutcomeEvent("r1", 3, [5, 6, 7], 2, 9, 4, verify_s=0.01),
+               OutcomeEvent("r1", 4, [5], 1, 9, 4, step_s=[0.25, 0.25, 0.5], step_others=7),  # float32-exact
                FreeEvent("r1")):
         back = codec.event_from_pb(pb.DrafterEvent.FromString(codec.event_to_pb(ev).SerializeToString()))
         if isinstance(ev, PrefillEvent):
@@ -35,6 +36,13 @@ def test_events_round_trip() -> None:
             assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
         else:
             assert back == ev
+
+
+def test_a_bad_step_table_is_refused() -> None:
+    for table in ([0.1, float("nan")], [0.0], [0.01] * 25):
+        msg = codec.event_to_pb(OutcomeEvent("r1", 4, [5], 1, 9, 4, step_s=table))
+        with pytest.raises(ValueError, match="step_s"):
+            codec.event_from_pb(pb.DrafterEvent.FromString(msg.SerializeToString()))
 
 
 def test_bundle_probabilities_are_bit_exact() -> None:

@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-from spec_core.estimators import LinearCost
+from spec_core.estimators import LinearCost, StepTimes
 from spec_core.ngram import backup_tokens, one_hot_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
@@ -86,6 +86,7 @@ class SSDProposer:
         #: How long after their verify ended recent overdue bundles became ready (``inf``: never), for the wait.
         self.lateness: deque[float] = deque(maxlen=64)
         self.verify_cost = LinearCost(decay=0.99)
+        self.step_times = StepTimes()
         self._last_step_tokens = 1
         #: Seconds the last :meth:`propose` waited for requests none of which could have hit
         #: (:meth:`SSDRequestState.cold`); the planner's cost fit leaves them out (:mod:`verifier_service.adaptive`).
@@ -346,7 +347,8 @@ class SSDProposer:
                                     len(verified) if num_accepted is None else num_accepted, bonus, next_k,
                                     verify_s=self.verify_s_ema, sent_at=sent_at,
                                     jit=self.jit_allowed or seq.reproducible, parents=parents, slot=slot,
-                                    node_cost=self.node_cost))
+                                    node_cost=self.node_cost, step_s=self.step_times.table(self.verify_cost),
+                                    step_others=max(0, self._last_step_tokens - len(verified) - 1)))
 
     def replace_link(self, link: DrafterLink) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
@@ -378,6 +380,7 @@ class SSDProposer:
         self.verify_s_ema = 0.8 * self.verify_s_ema + 0.2 * seconds
         if tokens:
             self.verify_cost.observe(tokens, seconds)
+            self.step_times.observe(tokens, seconds)
             self._last_step_tokens = tokens
 
     @property

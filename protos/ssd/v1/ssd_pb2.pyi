@@ -232,7 +232,7 @@ class Prefill(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., params: _Optional[_Union[SamplingSpec, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit", "verified_parents", "slot", "node_cost")
+    __slots__ = ("request_id", "round", "verified_ids", "num_accepted", "bonus", "next_k", "verify_s", "no_jit", "verified_parents", "slot", "node_cost", "step_s", "step_others")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,8 @@ class Outcome(_message.Message):
     VERIFIED_PARENTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NODE_COST_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_OTHERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     verified_ids: bytes
@@ -255,7 +257,9 @@ class Outcome(_message.Message):
     verified_parents: bytes
     slot: int
     node_cost: float
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ..., verified_parents: _Optional[bytes] = ..., slot: _Optional[int] = ..., node_cost: _Optional[float] = ...) -> None: ...
+    step_s: _containers.RepeatedScalarFieldContainer[float]
+    step_others: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., verified_ids: _Optional[bytes] = ..., num_accepted: _Optional[int] = ..., bonus: _Optional[int] = ..., next_k: _Optional[int] = ..., verify_s: _Optional[float] = ..., no_jit: _Optional[bool] = ..., verified_parents: _Optional[bytes] = ..., slot: _Optional[int] = ..., node_cost: _Optional[float] = ..., step_s: _Optional[_Iterable[float]] = ..., step_others: _Optional[int] = ...) -> None: ...
 
 class Free(_message.Message):
     __slots__ = ("request_id",)
