@@ -277,8 +277,10 @@ class SSDConfig:
     #: better (HumanEval, interleaved: 1.92 against 2.36 tokens per round).
     lookup_bonus: bool = True
     #: ``--tree auto`` sizes the lookup branch by the verifier's measured step time at each size (a staircase),
-    #: where the verifier sends one; off: by its per-node cost, a line's slope (before session 24).
-    price_by_step: bool = True
+    #: where the verifier sends one, instead of by its per-node cost (a line's slope). Off by default: in session
+    #: 24's interleaved A/B it ran 1.035-1.065x chains' tok/s against the slope's 1.006-1.087x, within the noise,
+    #: at fewer tokens per round (1.10-1.15x against 1.13-1.15x) (README, session 24).
+    price_by_step: bool = False
     #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
     #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit
     #: (many requests, a slow drafter). None always builds the full budget. An in-process (loopback) drafter,
