@@ -105,9 +105,8 @@ class SSDDrafter:
         #: leaf rank r, P(leaf r is accepted | the spine node and leaves 0..r-1 were rejected), for ``--tree auto``.
         self.leaf = RateEstimator(prior=0.3)
         self.leaf_rank = [RateEstimator(prior=0.3 / (r + 1)) for r in range(8)]
-        #: The verifier's cost of one more tree node as a fraction of its verify (from its outcomes).
+        #: From the verifier's outcomes: one more node's share of its verify, its step seconds by size, others' tokens.
         self.node_cost: float | None = None
-        #: Its measured step seconds by size, and the other requests' tokens in its last step (from its outcomes).
         self.step_s: list[float] | None = None
         self.step_others = 0
         self.accept_rate = self.acceptance.value
@@ -166,9 +165,9 @@ class SSDDrafter:
         tree = self.config.tree
         if not (tree.lookup and req.seq.params.greedy and req.k > 0):
             return 0
-        steps = self.step_s if tree.auto and self.config.price_by_step else None
         base = self.step_others + 1 + req.k + sum(self._leaves(req, req.k))  # the step's tokens but the branch's
-        keep = req.lookup_stats.budget(lookup_depth(req.k), self.accept_rate, req.k, base, steps,
+        keep = req.lookup_stats.budget(lookup_depth(req.k), self.accept_rate, req.k, base,
+                                       self.step_s if tree.auto and self.config.price_by_step else None,
                                        self.node_cost if tree.auto else None)
         if keep:
             req.lookup.sync(req.seq.token_ids)
@@ -181,9 +180,6 @@ class SSDDrafter:
             return [None] * (s.num_nodes + 1)
         req.lookup.sync(req.seq.token_ids)
         return slot_guesses(req.lookup, s)
-
-    def _forward(self, items: list[WorkItem]) -> torch.Tensor:
-        return forward_items(self.runner, self.cache, items)
 
     # ---- just-in-time drafting ------------------------------------------------------------------------------
     def draft_jit(self, reqs: list[DraftRequest]) -> list[Speculation]:
@@ -295,7 +291,7 @@ class SSDDrafter:
                                        list(range(c, n)) + [n - 1 + d for d in node_depths(s.tree_parents)],
                                        self._slots(rid, c, n + s.num_nodes), len(pending), s.tree_parents,
                                        list(range(n - 1 - c, n - c + s.num_nodes))))
-        glue_logits = self._forward(glue_items)
+        glue_logits = forward_items(self.runner, self.cache, glue_items)
         branches: list[list[tuple[int, int]]] = []
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S's spine (speculatively)
@@ -340,7 +336,7 @@ class SSDDrafter:
                                       [n + len(path) + step for path in paths[i]],
                                       self._slots(rid, base + step * m, base + (step + 1) * m),
                                       0, [-1] * m, list(range(m)), extra_slots=glue + earlier, extra_mask=mask))
-            logits = self._forward(items)
+            logits = forward_items(self.runner, self.cache, items)
             for j, i in enumerate(live):
                 m = len(branches[i])
                 n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on

@@ -229,27 +229,34 @@ class ModelRunner:
                 layer.quantize(weights)
             self.layers.append(layer)
         del raw
-        rotary = LlamaRotaryEmbedding(self.hf_config)
-        positions = torch.arange(self.spec.max_positions)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        self.cos = cos[0].to(device=self.device, dtype=dtype)
-        self.sin_signed = signed_sin(sin[0]).to(device=self.device, dtype=dtype)
+        self.cos, self.sin_signed = self._rope_tables()
         #: CPU attention over bf16/fp16 K/V runs in fp32: torch's half-precision CPU attention kernel is several
         #: times slower for decode rows (200 us against 45 us per layer here), and fp32 is the more exact of the two.
         self.attention_in_fp32 = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         self.q_size = self.spec.num_heads * self.spec.head_dim
         self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
         if weights == "w8a8":
-            from transformers import AutoTokenizer
-
-            from spec_core import w8a8
-
-            w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(path))))
+            self._convert_w8a8()
         #: Whether forwards are padded to the row count the weight matmuls run fastest at
         #: (:mod:`spec_core.row_padding`): CPU runners other than the fp32 exactness reference, unless turned off.
         self.pad_rows = pad_rows and self.device.type == "cpu" and not self.exact
         #: The measured padding by torch thread count (the fastest row count differs between 1 and 2 threads).
         self.row_paddings: dict[int, RowPadding] = {}
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and signed sin for every position, in this runner's dtype on its device."""
+        rotary = LlamaRotaryEmbedding(self.hf_config)
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(self.spec.max_positions)[None])
+        return (cos[0].to(device=self.device, dtype=self.dtype),
+                signed_sin(sin[0]).to(device=self.device, dtype=self.dtype))
+
+    def _convert_w8a8(self) -> None:
+        """``--dtype w8a8``: int8 weights and activations, SmoothQuant-calibrated on the model's own text."""
+        from transformers import AutoTokenizer
+
+        from spec_core import w8a8
+
+        w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(self.path))))
 
     @property
     def vocab_size(self) -> int:
