@@ -165,9 +165,9 @@ class SSDDrafter:
         tree = self.config.tree
         if not (tree.lookup and req.seq.params.greedy and req.k > 0):
             return 0
-        base = self.step_others + 1 + req.k + sum(self._leaves(req, req.k))  # the step's tokens but the branch's
-        keep = req.lookup_stats.budget(lookup_depth(req.k), self.accept_rate, req.k, base,
-                                       self.step_s if tree.auto and self.config.price_by_step else None,
+        steps = self.step_s if tree.auto and self.config.price_by_step else None
+        base = self.step_others + 1 + req.k + sum(self._leaves(req, req.k)) if steps else 0  # all but the branch
+        keep = req.lookup_stats.budget(lookup_depth(req.k), self.accept_rate, req.k, base, steps,
                                        self.node_cost if tree.auto else None)
         if keep:
             req.lookup.sync(req.seq.token_ids)

@@ -39,12 +39,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from spec_core import row_padding
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import resolve_model
 from spec_core.ops import RMSNorm, rope_, signed_sin
 from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
-from spec_core.row_padding import RowPadding
+from spec_core.row_padding import MAX_ROWS, RowPadding, measure
 from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -270,9 +269,9 @@ class ModelRunner:
         threads = torch.get_num_threads()
         pad = self.row_paddings.get(threads)
         if pad is None:
-            pad = self.row_paddings[threads] = row_padding.measure(self.weight_matrices(), self.dtype, self.device)
+            pad = self.row_paddings[threads] = measure(self.weight_matrices(), self.dtype, self.device)
             logger.info("%s, %d thread(s): rows padded %s (matmul stack at 1..%d rows: %s ms)", self.path.name,
-                        threads, pad.padded_sizes() or "never", row_padding.MAX_ROWS,
+                        threads, pad.padded_sizes() or "never", MAX_ROWS,
                         [round(t * 1e3, 1) for t in pad.seconds])
         return pad
 

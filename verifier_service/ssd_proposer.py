@@ -87,6 +87,7 @@ class SSDProposer:
         self.lateness: deque[float] = deque(maxlen=64)
         self.verify_cost = LinearCost(decay=0.99)
         self.step_times = StepTimes()
+        self._step_table: list[float] | None = None  # StepTimes.table for the drafter: once a step, not an outcome
         self._last_step_tokens = 1
         #: Seconds the last :meth:`propose` waited for requests none of which could have hit
         #: (:meth:`SSDRequestState.cold`); the planner's cost fit leaves them out (:mod:`verifier_service.adaptive`).
@@ -347,7 +348,7 @@ class SSDProposer:
                                     len(verified) if num_accepted is None else num_accepted, bonus, next_k,
                                     verify_s=self.verify_s_ema, sent_at=sent_at,
                                     jit=self.jit_allowed or seq.reproducible, parents=parents, slot=slot,
-                                    node_cost=self.node_cost, step_s=self.step_times.table(self.verify_cost),
+                                    node_cost=self.node_cost, step_s=self._step_table,
                                     step_others=max(0, self._last_step_tokens - len(verified) - 1)))
 
     def replace_link(self, link: DrafterLink) -> None:
@@ -381,6 +382,7 @@ class SSDProposer:
         if tokens:
             self.verify_cost.observe(tokens, seconds)
             self.step_times.observe(tokens, seconds)
+            self._step_table = self.step_times.table(self.verify_cost)
             self._last_step_tokens = tokens
 
     @property
