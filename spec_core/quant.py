@@ -20,6 +20,7 @@ stays the exactness reference.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -72,8 +73,22 @@ _packed_linear = torch.ops.mkldnn._linear_pointwise.default
 
 
 def can_prepack(w: torch.Tensor) -> bool:
-    """Whether ``w`` can be held as a :class:`PackedLinear`: bf16 on a CPU build with oneDNN."""
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Whether ``w`` can be held as a :class:`PackedLinear`: bf16 on a CPU whose oneDNN has a bf16 path."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and onednn_bf16()
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN can reorder and multiply bf16 weights on this CPU. It needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT; elsewhere (an AVX2-only EPYC, say) its reorder raises, and bf16 weights stay ``F.linear``'s,
+    which torch runs on any CPU. Asked of oneDNN itself, once, on a tiny weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +216,14 @@ def can_w8a8() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+@functools.cache
+def w8a8_reduce_range() -> bool:
+    """Whether w8a8 quantizes activations to 7 bits: on x86 CPUs without VNNI, fbgemm sums pairs of u8 x s8
+    products in int16 (``vpmaddubsw``), which saturates with 8-bit activations (measured on an AVX2-only EPYC: logits
+    off by 6 where VNNI's are off by 0.1). torch's own dynamic quantization reduces the range there too."""
+    return not torch.cpu._is_vnni_supported()
+
+
 def require_w8a8(device: torch.device) -> None:
     """``ValueError`` unless ``device`` can run w8a8: a CPU, with fbgemm in this torch build."""
     if device.type != "cpu" or not can_w8a8():
@@ -248,6 +271,8 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
             return matmul(x.to(torch.bfloat16), w, bias).to(x.dtype)
         return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):
+        if x.dtype != w.w.dtype:  # a bf16 matrix inside a float32 model, where oneDNN has no bf16 path
+            return matmul(x.to(w.w.dtype), w, bias).to(x.dtype)
         return F.linear(x, w.w, bias)
     if isinstance(w, Observed):
         w.observe(x)
@@ -256,7 +281,7 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return matmul(x, w) + bias
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if isinstance(w, W8A8Weight):
-        y = _linear_dynamic(flat.float(), w.packed, False)
+        y = _linear_dynamic(flat.float(), w.packed, w8a8_reduce_range())
     elif isinstance(w, Int4Weight):
         y = _int4_mm(flat.to(KERNEL_INPUT_DTYPE), w.packed, INT4_GROUP, w.scale_zero)
     else:

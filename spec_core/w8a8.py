@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from spec_core.quant import Observed, quantize_w8a8, require_w8a8
+from spec_core.quant import Observed, onednn_bf16, quantize_w8a8, require_w8a8
 from spec_core.runner import dense_layout
 
 logger = logging.getLogger(__name__)
@@ -121,5 +121,6 @@ def convert(runner, prompts: list[list[int]], alpha: float = ALPHA) -> None:
     for layer, amax in zip(runner.layers, input_ranges(runner, prompts)):
         smooth_layer(layer, amax, runner.spec, alpha)
         layer.qkv, layer.o, layer.gate_up, layer.down = (quantize_w8a8(getattr(layer, name)) for name in _MATRICES)
-    runner.lm_head = dense_layout(runner.lm_head.t().to(torch.bfloat16))  # the head stays bf16 (module docstring)
+    if onednn_bf16():  # the head stays bf16 (module docstring), where oneDNN multiplies bf16; else fp32
+        runner.lm_head = dense_layout(runner.lm_head.t().to(torch.bfloat16))
     logger.info("w8a8: calibrated on %d prompts and quantized in %.1fs", len(prompts), time.perf_counter() - t0)
