@@ -135,7 +135,7 @@ def pinned(cores: set[int] | None, threads: int):
 
 def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: int = 8, core: int | None = 0,
                   repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1,
-                  pad_rows: bool = True) -> dict:
+                  pad_rows: bool = True, cpu_kernels: bool = True) -> dict:
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
     then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
     from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
@@ -147,8 +147,9 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
     with pinned(cores, threads):
         target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name),
-                             pad_rows=pad_rows)
-        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, pad_rows=pad_rows)
+                             pad_rows=pad_rows, kernels=cpu_kernels)
+        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, pad_rows=pad_rows,
+                            kernels=cpu_kernels)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
@@ -165,7 +166,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     weight_bytes = target.weight_bytes_per_token()
     return {"dtype": name, "device": str(target.device), "threads": threads, "context": context,
             "target_t1_s": t1, "target_matmul_t1_s": matmul, "t1_over_matmul": t1 / matmul,
-            "target_t1_rows": rows, "target_matmul_one_row_s": matmul_one,
+            "target_t1_rows": rows, "target_matmul_one_row_s": matmul_one, "cpu_kernels": target.kernels is not None,
             "floor_t1_s": weight_bytes / bandwidth, "weight_bytes_per_token": weight_bytes,
             "read_bandwidth_gbs": bandwidth / 1e9, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
             "draft_dtype": draft_name,

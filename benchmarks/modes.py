@@ -104,6 +104,7 @@ class ModeRunner:
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
                                 saguaro_c=settings.saguaro_c, tree=tree)
             local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
+                                       draft_cpu_kernels=draft.cpu_kernels,
                                        adaptive_k=settings.adaptive_k)
             self.local_ssds[mode] = LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")

@@ -153,6 +153,7 @@ def build_report(settings: BenchSettings, target: ModelConfig, draft: ModelConfi
         "settings": {**asdict(settings), "target": target.path, "draft": draft.path if draft else None,
                      "draft_dtype": draft.dtype if draft else None,
                      "dtype": target.resolved_dtype, "device": target.device, "pad_rows": target.pad_rows,
+                     "cpu_kernels": target.cpu_kernels,
                      "hf_assisted_tuned_num_assistant_tokens": assistant_tokens,
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
         "results": list(results),

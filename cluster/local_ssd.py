@@ -49,6 +49,8 @@ class LocalSSDConfig:
     draft_device: str | None = None
     #: Row padding for the drafter's runner (:mod:`spec_core.row_padding`).
     draft_pad_rows: bool = True
+    #: The compiled small ops for the drafter's runner (:mod:`spec_core.cpu_kernels`).
+    draft_cpu_kernels: bool = True
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
 
@@ -78,7 +80,8 @@ class LocalSSD:
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  dtype=cfg.draft_dtype or self._default_draft_dtype(),
-                                 device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows),
+                                 device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows,
+                                 cpu_kernels=cfg.draft_cpu_kernels),
             hello,
         )
 

@@ -133,6 +133,7 @@ class DrafterProcessConfig:
     dtype: str = "float32"
     device: str = "cpu"
     pad_rows: bool = True  #: :mod:`spec_core.row_padding`
+    cpu_kernels: bool = True  #: :mod:`spec_core.cpu_kernels`
     #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
     tree_delay_s: float = 0.0
 
@@ -266,7 +267,7 @@ def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
     from spec_core.config import parse_dtype
 
     runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype), device=config.device,
-                         pad_rows=config.pad_rows)
+                         pad_rows=config.pad_rows, kernels=config.cpu_kernels)
     link = PipeLink(conn, role="drafter")
     try:
         first = link.recv_pb()

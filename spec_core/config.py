@@ -90,6 +90,8 @@ class ModelConfig:
     device: str = "cpu"
     #: Pad small forwards to the row count measured fastest at load (:mod:`spec_core.row_padding`).
     pad_rows: bool = True
+    #: Run the decoder's small ops as compiled CPU loops (:mod:`spec_core.cpu_kernels`; never for fp32).
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -130,3 +131,18 @@ def _converted(path: str, size: int, mtime_ns: int) -> Path:
     from spec_core.gguf_checkpoint import convert_gguf
 
     return convert_gguf(path)
+
+
+def load_safetensors_dir(path: Path) -> dict:
+    """Every tensor of an HF folder's safetensors files (one file, or the shards its index names)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    weights: dict = {}
+    for name in files:
+        weights.update(load_file(str(path / name)))
+    return weights

@@ -34,7 +34,8 @@ def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
 def load_runner(cfg: ModelConfig) -> ModelRunner:
     path = check_model_dir(cfg.path)
     try:
-        return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights, pad_rows=cfg.pad_rows)
+        return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights, pad_rows=cfg.pad_rows,
+                       kernels=cfg.cpu_kernels)
     except (KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
 

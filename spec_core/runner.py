@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from spec_core import cpu_kernels
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
-from spec_core.model_paths import resolve_model
+from spec_core.model_paths import load_safetensors_dir, resolve_model
 from spec_core.ops import RMSNorm, rope_, signed_sin
 from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
 from spec_core.row_padding import MAX_ROWS, RowPadding, measure
@@ -157,18 +157,6 @@ class Layer:
         self.gate_up, self.down = quantize(self.gate_up, fmt), quantize(self.down, fmt)
 
 
-def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(path / name)))
-    return weights
-
-
 #: The attention kernels SDPA may pick on a GPU: not cuDNN's, which builds an execution plan for every new shape (each
 #: new context length, batch and tree width), so on an H200 a bf16 decode pass over lengths not seen before ran 45-73
 #: ms per token against 17 ms warm. Flash and memory-efficient kernels need no per-shape build. (cuDNN's kernel takes
@@ -185,7 +173,7 @@ class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str | None = None, pad_rows: bool = True) -> None:
+                 weights: str | None = None, pad_rows: bool = True, kernels: bool = True) -> None:
         if weights not in (None, "int8", "int4", "w8a8"):
             raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path)
@@ -228,7 +216,8 @@ class ModelRunner:
                 layer.quantize(weights)
             self.layers.append(layer)
         del raw
-        self.cos, self.sin_signed = self._rope_tables()
+        cos, sin = self._rope_tables()
+        self.cos, self.sin_signed = cos.to(dtype), signed_sin(sin).to(dtype)
         #: CPU attention over bf16/fp16 K/V runs in fp32: torch's half-precision CPU attention kernel is several
         #: times slower for decode rows (200 us against 45 us per layer here), and fp32 is the more exact of the two.
         self.attention_in_fp32 = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
@@ -236,18 +225,25 @@ class ModelRunner:
         self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
         if weights == "w8a8":
             self._convert_w8a8()
-        #: Whether forwards are padded to the row count the weight matmuls run fastest at
-        #: (:mod:`spec_core.row_padding`): CPU runners other than the fp32 exactness reference, unless turned off.
-        self.pad_rows = pad_rows and self.device.type == "cpu" and not self.exact
+        self._cpu_fast_paths(pad_rows, kernels, (cos, sin))
+
+    def _cpu_fast_paths(self, pad_rows: bool, kernels: bool, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Row padding and the compiled small ops: CPU runners other than the fp32 exactness reference, unless
+        turned off (``rope``: the fp32 RoPE tables the kernels read)."""
+        cpu_fast = self.device.type == "cpu" and not self.exact
+        #: Whether forwards are padded to the row count the weight matmuls run fastest at (:mod:`spec_core.row_padding`).
+        self.pad_rows = pad_rows and cpu_fast
         #: The measured padding by torch thread count (the fastest row count differs between 1 and 2 threads).
         self.row_paddings: dict[int, RowPadding] = {}
+        #: The compiled small ops (:mod:`spec_core.cpu_kernels`) for models without q/k norms, and their RoPE tables.
+        self.kernels = cpu_kernels.load(self.dtype) if kernels and cpu_fast and not self.spec.qk_norm else None
+        self.rope_f32 = tuple(t.contiguous() for t in rope) if self.kernels else None
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and signed sin for every position, in this runner's dtype on its device."""
+        """RoPE's cos and sin for every position (transformers' rotary module), fp32 on this runner's device."""
         rotary = LlamaRotaryEmbedding(self.hf_config)
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(self.spec.max_positions)[None])
-        return (cos[0].to(device=self.device, dtype=self.dtype),
-                signed_sin(sin[0]).to(device=self.device, dtype=self.dtype))
+        return cos[0].to(self.device), sin[0].to(self.device)
 
     def _convert_w8a8(self) -> None:
         """``--dtype w8a8``: int8 weights and activations, SmoothQuant-calibrated on the model's own text."""
@@ -350,6 +346,8 @@ class ModelRunner:
     def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor:
         """Run a packed ragged batch over a paged cache (see :class:`PagedBatch`). Returns fp32 logits."""
         bsz, t = batch.input_ids.shape
+        if self.kernels is not None and t <= cpu_kernels.MAX_TOKENS_PER_ROW:
+            return self._logits(cpu_kernels.run_paged(self, cache, batch), batch.logits_index)
         write = batch.write_slots.reshape(-1)
         flat_kv = batch.kv_slots.reshape(-1)
 
@@ -388,11 +386,15 @@ class ModelRunner:
             h.add_(matmul(attn.to(h.dtype).transpose(1, 2).reshape(bsz, t, self.q_size), layer.o))
             gate, up = matmul(layer.ln_mlp(h), layer.gate_up).chunk(2, dim=-1)
             h.add_(matmul(F.silu(gate, inplace=True) * up, layer.down))
+        return self._logits(h, logits_index)
+
+    def _logits(self, h: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits of the final hidden states ``h [B, T, hidden]`` (the rows of ``logits_index``)."""
         if logits_index is not None:
             h = torch.gather(h, 1, logits_index[:, :, None].expand(-1, -1, h.shape[-1]))
         h = self.norm(h)
         logits = matmul(h, self.lm_head).float()
         if self.token_map is None:
             return logits
-        full = logits.new_full((*logits.shape[:-1], spec.vocab_size), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.token_map, logits)

@@ -19,10 +19,11 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
     from spec_core.model_paths import check_model_dir, default_pair
 
     pair = default_pair()
-    pad = not getattr(args, "no_pad_rows", False)
-    target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, pad_rows=pad)
+    runner = {"pad_rows": not getattr(args, "no_pad_rows", False),
+              "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
+    target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
     draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None) or draft_dtype(args.dtype),
-                         device=args.device, pad_rows=pad) if need_draft else None)
+                         device=args.device, **runner) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
             check_model_dir(cfg.path)
@@ -269,7 +270,7 @@ def cmd_bench_costs(args: argparse.Namespace) -> int:
     for d in dtypes:
         row = measure_costs(pair[0].path, pair[1].path, context=args.context, k_max=args.k_max, core=args.core,
                             repeats=args.repeats, dtype=d, device=args.device, threads=args.threads,
-                            pad_rows=not args.no_pad_rows)
+                            pad_rows=not args.no_pad_rows, cpu_kernels=not args.no_cpu_kernels)
         sys.stderr.write(f"{row['dtype']:>9} {row['threads']} thread(s) on {row['device']}: T(1) "
                          f"{row['target_t1_s'] * 1e3:.1f} ms (as {row['target_t1_rows']} row(s)), matmuls alone "
                          f"{row['target_matmul_t1_s'] * 1e3:.1f} ms ({row['target_matmul_one_row_s'] * 1e3:.1f} at "
@@ -301,5 +302,11 @@ def cmd_install_models(args: argparse.Namespace) -> int:
 
     out = convert_gguf(src, default_target_dir(), expected_sha256=TARGET_GGUF_SHA256)
     sys.stderr.write(f"target ready: {out}\n")
+    from spec_core import cpu_kernels
+
+    try:  # built here once, so no run pays for it (a runner without them keeps torch's ops)
+        sys.stderr.write(f"CPU kernels ready: {cpu_kernels.build()}\n")
+    except RuntimeError as exc:
+        sys.stderr.write(f"CPU kernels not built ({exc}); runners will use torch's ops\n")
     print_json(default_pair())
     return 0

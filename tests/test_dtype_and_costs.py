@@ -37,6 +37,10 @@ def test_generate_defaults_to_auto(real_pair):
 
 def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, report):
     """On the toy pair: bf16 without native support (AVX2-only CPUs) is emulated and very slow on the real one."""
+    import torch
+
+    from spec_core import cpu_kernels
+
     proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8,int4", "--repeats", "3", "--k-max", "2", "--threads", "1",
                "--context", "32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
@@ -55,6 +59,8 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     assert f32["target_t1_s"] != b16["target_t1_s"]
     assert f32["target_t1_rows"] == 1  # the fp32 reference is never padded (spec_core.row_padding)
     assert all(1 <= r["target_t1_rows"] <= 8 and r["target_matmul_one_row_s"] > 0 for r in (b16, i8, i4))
+    assert not f32["cpu_kernels"]  # the reference keeps transformers' arithmetic (spec_core.cpu_kernels)
+    assert all(r["cpu_kernels"] == (cpu_kernels.load(torch.float32) is not None) for r in (b16, i8, i4))
     for r in (f32, b16, i8, i4):
         report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms as {r['target_t1_rows']} row(s), "
                f"matmuls alone "
@@ -62,11 +68,12 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
                f"V(2) {r['V']['2']:.2f} (3 repeats, context 32, not asserted)")
     bad = ssd("bench-costs", "--dtype", "float32,int3")
     assert bad.returncode == 2 and "unknown dtype" in bad.stderr
-    plain = ssd("bench-costs", "--dtype", "bfloat16", "--no-pad-rows", "--repeats", "2", "--k-max", "1", "--context",
-                "16", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
+    plain = ssd("bench-costs", "--dtype", "bfloat16", "--no-pad-rows", "--no-cpu-kernels", "--repeats", "2", "--k-max",
+                "1", "--context", "16", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert plain.returncode == 0, plain.stderr
     row = json.loads(plain.stdout)["rows"][0]
     assert row["target_t1_rows"] == 1 and row["target_matmul_t1_s"] == row["target_matmul_one_row_s"]
+    assert not row["cpu_kernels"]
 
 
 def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):

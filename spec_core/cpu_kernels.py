@@ -1,0 +1,167 @@
+"""The decoder's small ops as compiled CPU loops (``kernels/decode_ops.c``), built once per machine and loaded
+with ctypes.
+
+Why. A decode step on a CPU is its weight matmuls plus about 35 small torch ops a layer (norms, RoPE, the K/V
+store and gather, attention and its casts, SiLU, adds), each a few microseconds of dispatch, allocation and
+Python: 8-10 ms of a 25-30 ms step for SmolLM2's 30 layers, which no eager rewrite removed and ``torch.compile``
+removes only for fixed shapes. Here each layer makes four calls besides its four matmuls: RMSNorm, one call for
+RoPE, the K/V store and attention straight from the paged pool (no gather, no cast), RMSNorm, and SiLU-and-multiply.
+
+Exactness. The loops compute in fp32 and round once at their outputs, so they are a different (no less exact)
+arithmetic from transformers': only runners off the fp32 reference use them (bf16, int8, int4, w8a8), and those
+report their greedy agreement with fp32, as before.
+
+Build. The C file is compiled with the system C compiler (``$CC``, else ``cc``) and ``-O3 -march=native`` into
+the model cache (``kernels/``), named by a hash of the source, the flags and the CPU's feature flags, so a cache
+copied to another CPU never runs code built for a wider instruction set. ``ssd install-models`` builds it; a
+runner builds it on first use otherwise (about a second). Without a compiler the runner logs one line and keeps
+torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from spec_core.model_paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "decode_ops.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+#: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
+#: decode, verify and draft steps); longer forwards (prefill chunks) keep torch's SDPA.
+MAX_TOKENS_PER_ROW = 32
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path() -> Path:
+    """Where this machine's build lives: named by the source, the compiler flags and the CPU's features."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"decode_ops-{key}.so"
+
+
+def build() -> Path:
+    """Compile the kernels for this machine (once; an existing build is reused). Raises ``RuntimeError`` with the
+    compiler's message where it cannot."""
+    out = library_path()
+    if out.is_file():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or $CC) to build the CPU kernels")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        try:
+            proc = subprocess.run([cc, *FLAGS, "-o", str(tmp_out), str(SOURCE), "-lm"], capture_output=True,
+                                  text=True)
+        except OSError as exc:
+            raise RuntimeError(f"cannot run the C compiler {cc}: {exc}") from exc
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp_out, out)  # atomic: a concurrent builder's finished file is never half-written
+    return out
+
+
+class DecodeKernels:
+    """The compiled ops over torch tensors of one activation dtype (fp32 or bf16). Inputs must be contiguous."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suf = _SUFFIX[dtype]
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._norm = getattr(lib, f"rms_norm_{suf}")
+        self._norm.argtypes = [p, p, p, i, i, ctypes.c_float]
+        self._silu_mul = getattr(lib, f"silu_mul_{suf}")
+        self._silu_mul.argtypes = [p, p, i, i]
+        self._attend = getattr(lib, f"rope_store_attend_{suf}")
+        self._attend.argtypes = [p, p, p, p, p, p, p, p, p, i, i, i, i, i, i]
+        for f in (self._norm, self._silu_mul, self._attend):
+            f.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x · rsqrt(mean(x²) + eps) · weight`` over the last dimension, rounded once."""
+        out = torch.empty_like(x)
+        d = x.shape[-1]
+        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) · up`` for rows of ``[gate, up]``."""
+        f = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], f)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * f), f)
+        return out
+
+    def rope_store_attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                          pool_ptr: int, write: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None,
+                          out: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> None:
+        """One layer's attention for ``B`` rows of ``T`` new tokens (``kv_slots [B, S]``, ``mask [B, T, S]`` or
+        None): RoPE on q and k (``rope``: fp32 cos and sin ``[positions, D]``), the new K/V stored at ``write`` in
+        the pool layer at ``pool_ptr`` (``[slots, 2 · kv_heads, D]``), then softmax attention into ``out``."""
+        bsz, s = kv_slots.shape
+        t = write.numel() // bsz
+        self._attend(qkv.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(), pool_ptr,
+                     write.data_ptr(), kv_slots.data_ptr(), None if mask is None else mask.data_ptr(),
+                     out.data_ptr(), bsz, t, s, heads, kv_heads, head_dim)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        logger.warning("CPU kernels unavailable, using torch's ops: %s", exc)
+        return None
+
+
+def load(dtype: torch.dtype) -> DecodeKernels | None:
+    """The kernels for activations of ``dtype``, or None where they do not apply (another dtype) or cannot be
+    built (logged once)."""
+    if dtype not in _SUFFIX:
+        return None
+    lib = _library()
+    return None if lib is None else DecodeKernels(lib, dtype)
+
+
+def run_paged(runner, cache, batch) -> torch.Tensor:
+    """The decoder stack of :meth:`ModelRunner.forward_paged` through ``runner.kernels``: the final hidden states
+    ``[B, T, hidden]`` (before the final norm). Same contract as the torch path: every new token's K/V is written
+    at its ``write_slots`` entry, then each query attends the ``kv_slots`` its mask row allows."""
+    from spec_core.quant import matmul
+
+    k, spec = runner.kernels, runner.spec
+    bsz, t = batch.input_ids.shape
+    h = torch.nn.functional.embedding(batch.input_ids.reshape(-1), runner.embed)
+    positions = batch.positions.reshape(-1).contiguous()
+    attn = h.new_empty(bsz * t, runner.q_size)
+    pool = cache.kv
+    base, stride = pool.data_ptr(), pool.stride(0) * pool.element_size()
+    heads, eps = (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.rms_norm_eps
+    for li, layer in enumerate(runner.layers):
+        qkv = matmul(k.rms_norm(h, layer.ln_attn.weight, eps), layer.qkv, layer.qkv_bias)
+        k.rope_store_attend(qkv, runner.rope_f32, positions, base + li * stride, batch.write_slots,
+                            batch.kv_slots, batch.attn_mask, attn, *heads)
+        h.add_(matmul(attn, layer.o))
+        h.add_(matmul(k.silu_mul(matmul(k.rms_norm(h, layer.ln_mlp.weight, eps), layer.gate_up)), layer.down))
+    return h.view(bsz, t, -1)
