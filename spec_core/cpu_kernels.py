@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from spec_core.model_paths import cache_dir
+from spec_core.quant import matmul
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,6 @@ def run_paged(runner, cache, batch) -> torch.Tensor:
     """The decoder stack of :meth:`ModelRunner.forward_paged` through ``runner.kernels``: the final hidden states
     ``[B, T, hidden]`` (before the final norm). Same contract as the torch path: every new token's K/V is written
     at its ``write_slots`` entry, then each query attends the ``kv_slots`` its mask row allows."""
-    from spec_core.quant import matmul
-
     k, spec = runner.kernels, runner.spec
     bsz, t = batch.input_ids.shape
     h = torch.nn.functional.embedding(batch.input_ids.reshape(-1), runner.embed)

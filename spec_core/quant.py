@@ -271,8 +271,6 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
             return matmul(x.to(torch.bfloat16), w, bias).to(x.dtype)
         return _packed_linear(x, w.w, bias, "none", [], "")
     if isinstance(w, LinearWeight):
-        if x.dtype != w.w.dtype:  # a bf16 matrix inside a float32 model, where oneDNN has no bf16 path
-            return matmul(x.to(w.w.dtype), w, bias).to(x.dtype)
         return F.linear(x, w.w, bias)
     if isinstance(w, Observed):
         w.observe(x)
