@@ -87,7 +87,7 @@ def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop, read
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype))
+    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype), reference=False)
     cache = draft.new_cache(1, context + 2)
     draft.forward(cache, torch.randint(0, draft.vocab_size, (1, context)), torch.arange(context)[None])
     ids, pos = torch.randint(0, draft.vocab_size, (1, 1)), torch.tensor([[context]])
@@ -149,7 +149,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
         target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name),
                              pad_rows=pad_rows, kernels=cpu_kernels)
         draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, pad_rows=pad_rows,
-                            kernels=cpu_kernels)
+                            kernels=cpu_kernels, reference=False)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row

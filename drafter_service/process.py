@@ -267,7 +267,7 @@ def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
     from spec_core.config import parse_dtype
 
     runner = ModelRunner(config.draft_path, dtype=parse_dtype(config.dtype), device=config.device,
-                         pad_rows=config.pad_rows, kernels=config.cpu_kernels)
+                         pad_rows=config.pad_rows, kernels=config.cpu_kernels, reference=False)
     link = PipeLink(conn, role="drafter")
     try:
         first = link.recv_pb()

@@ -182,7 +182,8 @@ class DrafterServer:
         self.config = config
         m = config.draft
         path = check_model_dir(m.path)
-        self.runner = ModelRunner(path, dtype=parse_dtype(m.dtype, m.device), device=m.device)
+        self.runner = ModelRunner(path, dtype=parse_dtype(m.dtype, m.device), device=m.device,
+                                  pad_rows=m.pad_rows, kernels=m.cpu_kernels, reference=False)
         self.vocab_hash = vocab_hash(load_tokenizer(path))
         self.servicer = DrafterServicer(self.runner, config, self.vocab_hash)
         self.thread: ServerThread | None = None

@@ -31,11 +31,12 @@ def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def load_runner(cfg: ModelConfig) -> ModelRunner:
+def load_runner(cfg: ModelConfig, reference: bool = True) -> ModelRunner:
+    """The runner for ``cfg``; ``reference=False`` for a draft (see :class:`ModelRunner`)."""
     path = check_model_dir(cfg.path)
     try:
         return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights, pad_rows=cfg.pad_rows,
-                       kernels=cfg.cpu_kernels)
+                           kernels=cfg.cpu_kernels, reference=reference)
     except (KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
 
@@ -84,7 +85,7 @@ def load_pair(target: ModelConfig, draft: ModelConfig | None) -> LoadedPair:
     t_runner = load_runner(target)
     d_runner = None
     if draft is not None:
-        d_runner = load_runner(draft)
+        d_runner = load_runner(draft, reference=False)
         d_dir = resolve_model(draft.path)
         d_tok = load_tokenizer(d_dir) if (d_dir / "tokenizer_config.json").exists() else tokenizer
         check_vocab(t_runner, d_runner, tokenizer, d_tok)

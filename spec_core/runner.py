@@ -173,7 +173,8 @@ class ModelRunner:
     """Runs a decoder over a :class:`KVCache`. See the module docstring for the cache contract."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str | None = None, pad_rows: bool = True, kernels: bool = True) -> None:
+                 weights: str | None = None, pad_rows: bool = True, kernels: bool = True,
+                 reference: bool = True) -> None:
         if weights not in (None, "int8", "int4", "w8a8"):
             raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path)
@@ -202,8 +203,10 @@ class ModelRunner:
         if weights in ("int8", "int4"):
             self.lm_head = quantize(self.lm_head, HEAD_FORMAT.get(weights, weights))
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
-        #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement.
-        self.exact = dtype == torch.float32 and weights is None
+        #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement. A
+        #: draft passes ``reference=False``: its arithmetic never reaches the output (the verifier uses the q it
+        #: drafted from), so an fp32 draft takes the CPU fast paths too.
+        self.exact = reference and dtype == torch.float32 and weights is None
 
         def norm(weight: torch.Tensor) -> RMSNorm:
             return RMSNorm.build(weight, self.spec.rms_norm_eps, fused=not self.exact)

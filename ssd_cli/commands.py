@@ -94,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = Generator(target, draft, k=args.k)
     extra: dict = {}
     if args.mode == "ssd":
-        result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k)
+        result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k, adaptive=not args.fixed_k)
     else:
         result = gen.generate(prompt, params, mode=args.mode)
     if args.json:
@@ -135,8 +135,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
-    """One request through local two-process SSD (verifier here on core 0, drafter process on core 1)."""
+def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: bool = True):
+    """One request through local two-process SSD (verifier here on core 0, drafter process on core 1), with adaptive
+    K up to ``k`` as ``ssd serve`` runs it (``adaptive=False``: K every round)."""
     from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
     from spec_core.config import SSDConfig
     from verifier_service.api import GenerationResult
@@ -146,8 +147,12 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int):
     ids = chat.encode(gen.tokenizer, prompt)
     gen.check_token_ids(ids)
     pair = gen.pair
-    with LocalSSD(pair.target, LocalSSDConfig(draft_path, SSDConfig(k=k)), eos_ids=pair.eos_ids) as local:
+    config = LocalSSDConfig(draft_path, SSDConfig(k=k), adaptive_k=adaptive)
+    with LocalSSD(pair.target, config, eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
+    # rounds that proposed nothing (adaptive K = 0, or a miss the n-gram backup found no match for), as a share of all
+    # rounds (ssd bench's field)
+    ssd["plain_round_fraction"] = (stats.num_rounds - stats.num_drafts) / stats.num_rounds if stats.num_rounds else 0.0
     text = chat.decode(pair.tokenizer, seq.output_ids)
     result = GenerationResult("ssd", ids, list(seq.output_ids), text, seq.finish_reason, stats, stats.prefill_s,
                               list(seq.emit_times))
@@ -188,12 +193,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
         f"acceptance {sd.stats.acceptance_rate:.2f})\n"
     )
-    ssd, extra = _generate_ssd(gen, pair["draft"], prompt, params, args.ssd_k)
-    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  (k={args.ssd_k}, local two-process, cache hit rate "
+    ssd, extra = _generate_ssd(gen, pair["draft"], prompt, params, args.ssd_k, adaptive=not args.fixed_k)
+    plan = f"k={args.ssd_k}" if args.fixed_k else (f"adaptive k <= {args.ssd_k}, plain on "
+                                                   f"{extra['plain_round_fraction']:.0%} of rounds")
+    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  ({plan}, local two-process, cache hit rate "
               f"{extra['cache_hit_rate'] or 0:.2f})\n")
     out.write(f"speedup over AR: SD {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, "
               f"SSD {ssd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
               f"greedy outputs identical: {ar.token_ids == sd.token_ids == ssd.token_ids}\n")
+    if ssd.stats.tokens_per_s < 1.05 * ar.stats.tokens_per_s:
+        out.write(f"(speculation does not pay for this request in {target.resolved_dtype} on this machine, so SSD's "
+                  "planner decodes plain where it measures no gain; where it pays, and why: README, Benchmarks)\n")
     if target.resolved_dtype != "float32":
         out.write(f"({target.resolved_dtype}: every mode verifies with the same model, but a {target.resolved_dtype} "
                   "forward over several tokens may round differently from one-token steps; --dtype float32 is "

@@ -43,10 +43,15 @@ def test_generate_json(mode):
 
 
 def test_generate_greedy_modes_agree(toy_pair):
+    """AR, SD, SSD with adaptive K (the default, as ssd serve runs it) and SSD with --fixed-k agree token for token."""
     pair = ["--target", toy_pair["target"], "--draft", toy_pair["draft"]]
-    outs = [json.loads(ssd("generate", "--prompt", "def add(a, b):", "--mode", m, "--max-new-tokens", "32",
-                           "--json", "--threads", "1", *pair).stdout)["token_ids"] for m in ("ar", "sd")]
-    assert outs[0] == outs[1]
+    runs = {"ar": ["--mode", "ar"], "sd": ["--mode", "sd"], "ssd": ["--mode", "ssd", "--k", "3"],
+            "ssd-fixed": ["--mode", "ssd", "--k", "3", "--fixed-k"]}
+    outs = {name: json.loads(ssd("generate", "--prompt", "def add(a, b):", *flags, "--max-new-tokens", "32",
+                                 "--json", "--threads", "1", *pair).stdout) for name, flags in runs.items()}
+    assert all(o["token_ids"] == outs["ar"]["token_ids"] for o in outs.values())
+    # rounds that proposed nothing: planned plain, or a miss whose n-gram backup found no match
+    assert 0 <= outs["ssd"]["plain_round_fraction"] <= 1 and 0 <= outs["ssd-fixed"]["plain_round_fraction"] < 1
 
 
 def test_bad_model_path():
@@ -186,3 +191,4 @@ def test_demo_runs_every_mode():
     assert proc.returncode == 0, proc.stderr
     assert "greedy outputs identical: True" in proc.stdout
     assert all(tag in proc.stdout for tag in ("AR :", "SD :", "SSD:"))
+    assert "SSD:" in proc.stdout and "adaptive k <= 3, plain on" in proc.stdout  # the service's planner, as served

@@ -52,6 +52,33 @@ def test_only_the_fp32_reference_uses_the_exact_norm(tiny_models):
     assert not int8.exact and all(n.doubled is not None for n in norms(int8))
 
 
+def test_an_fp32_draft_takes_the_fast_paths_and_the_target_stays_the_reference(tiny_models):
+    """A draft's arithmetic never reaches the output (the verifier uses the q it drafted from), so an fp32 draft
+    loads with ``reference=False``: fused norms, row padding and the compiled small ops, where they build. The fp32
+    target stays transformers' arithmetic; SD over that pair still equals AR token for token."""
+    from spec_core import cpu_kernels
+    from spec_core.config import ModelConfig, SamplingParams
+    from spec_core.models import LoadedPair, load_runner
+    from spec_core.sequence import Sequence
+    from verifier_service.api import Generator, run_one
+
+    target = load_runner(ModelConfig(str(tiny_models["llama"]), dtype="float32"))
+    draft = load_runner(ModelConfig(str(tiny_models["llama-noisy"]), dtype="float32"), reference=False)
+    norms = lambda r: [r.norm] + [n for layer in r.layers for n in (layer.ln_attn, layer.ln_mlp)]  # noqa: E731
+    assert target.exact and target.kernels is None and not target.pad_rows
+    assert not draft.exact and draft.pad_rows and all(n.doubled is not None for n in norms(draft))
+    assert (draft.kernels is not None) == (cpu_kernels.load(torch.float32) is not None)
+    gen = Generator.from_pair(LoadedPair(target, draft, None, ()), k=3)
+    outs = {}
+    for mode, k in (("ar", 0), ("sd", 3)):
+        seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True))
+                for i, p in enumerate(([5, 17, 42, 9], [100, 3, 77]))]
+        outs[mode] = [s.output_ids for s in seqs if run_one(gen.engine(mode, k), s)]
+        stats = [s.stats for s in seqs]
+    assert outs["sd"] == outs["ar"] and all(len(o) == 24 for o in outs["ar"])
+    assert sum(s.num_accepted for s in stats) > 0  # the noisy draft agrees often: the drafts were used
+
+
 def test_pack_leaves_out_a_mask_that_hides_nothing(tiny_models):
     runner = ModelRunner(tiny_models["llama"])
     cache = PagedKVCache(runner.spec, 4, 4, torch.float32, torch.device("cpu"))
