@@ -11,7 +11,7 @@ import torch
 from spec_core.transfer import to_device
 
 if TYPE_CHECKING:
-    from spec_core.runner import ArchSpec
+    from spec_core.arch import ArchSpec
 
 
 class KVCache:

@@ -27,82 +27,29 @@ A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core import cpu_kernels
+from spec_core.arch import ArchSpec, load_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
 from spec_core.ops import RMSNorm, rope_, signed_sin
 from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
 from spec_core.row_padding import MAX_ROWS, RowPadding, measure
-from spec_core.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-TOKEN_MAP_FILE = "token_map.json"
 #: The LM head's format under a weight-only dtype, where it differs. int4 keeps an int8 head, as the GGUF does
 #: (Q8_0 embeddings beside Q4_1 matrices): an int4 head moved the logits 5x further from fp32 (max 3.6 against
 #: 0.7) to save 0.7 ms a token.
 HEAD_FORMAT = {"int4": "int8"}
-
-
-def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
-    """The draft vocabulary of a folder (ascending, unique, in range), or None for a full-vocabulary head."""
-    f = path / TOKEN_MAP_FILE
-    if not f.is_file():
-        return None
-    ids = json.loads(f.read_text())
-    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
-        raise ValueError(f"{f}: the token map must be ascending unique ids in [0, {vocab_size})")
-    return to_device(ids, "cpu", torch.long)  # at load; moved with the weights
-
-
-@dataclass(frozen=True, slots=True)
-class ArchSpec:
-    """The architecture facts the runner needs, read from an HF config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_positions: int
-    qk_norm: bool
-    qkv_bias: bool
-    tie_embeddings: bool
-
-    @staticmethod
-    def from_hf(cfg: PretrainedConfig) -> ArchSpec:
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {cfg.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return ArchSpec(
-            model_type=cfg.model_type,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            max_positions=cfg.max_position_embeddings,
-            qk_norm=cfg.model_type == "qwen3",
-            qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        )
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

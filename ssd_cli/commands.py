@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verifier_service.api import Generator  # torch and transformers: only once the flags are known to be good
 
     set_threads(args.threads)
-    gen = Generator(target, draft, k=args.k)
+    gen = Generator(target, draft, k=args.k, adaptive=not args.fixed_k)
     extra: dict = {}
     if args.mode == "ssd":
         result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k, adaptive=not args.fixed_k)
@@ -166,6 +166,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(k: int, fixed: bool, stats) -> str:
+    """How a demo row chose K, and the share of its rounds that proposed nothing."""
+    plain = (stats.num_rounds - stats.num_drafts) / stats.num_rounds if stats.num_rounds else 0.0
+    return f"k={k}" if fixed else f"adaptive k <= {k}, no draft on {plain:.0%} of rounds"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
     from spec_core.config import ModelConfig, SamplingParams, draft_dtype
@@ -179,7 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
     draft = ModelConfig(pair["draft"], dtype=draft_dtype(args.dtype), device=args.device)
-    gen = Generator(target, draft, k=args.k)
+    gen = Generator(target, draft, k=args.k, adaptive=not args.fixed_k)
     prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up
@@ -190,13 +196,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out.write("-" * 72 + f"\n{len(ar.token_ids)} tokens, greedy, {target.resolved_dtype}, one thread\n")
     out.write(f"AR : {ar.stats.tokens_per_s:8.1f} tok/s\n")
     out.write(
-        f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  (k={args.k}, {sd.stats.mean_tokens_per_round:.2f} tokens/round, "
+        f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  ({_plan(args.k, args.fixed_k, sd.stats)}, "
+        f"{sd.stats.mean_tokens_per_round:.2f} tokens/round, "
         f"acceptance {sd.stats.acceptance_rate:.2f})\n"
     )
     ssd, extra = _generate_ssd(gen, pair["draft"], prompt, params, args.ssd_k, adaptive=not args.fixed_k)
-    plan = f"k={args.ssd_k}" if args.fixed_k else (f"adaptive k <= {args.ssd_k}, plain on "
-                                                   f"{extra['plain_round_fraction']:.0%} of rounds")
-    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  ({plan}, local two-process, cache hit rate "
+    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  ({_plan(args.ssd_k, args.fixed_k, ssd.stats)}, "
+              "local two-process, cache hit rate "
               f"{extra['cache_hit_rate'] or 0:.2f})\n")
     out.write(f"speedup over AR: SD {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, "
               f"SSD {ssd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "

@@ -55,11 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", help="one user turn, sent through the model's chat template")
     g.add_argument("--messages", help="a JSON file with an OpenAI-style list of {role, content} messages")
     g.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
-    g.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5; mode ssd: the most adaptive "
-                   "K plans)")
+    g.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5; the most adaptive K plans)")
     g.add_argument("--fixed-k", action="store_true",
-                   help="mode ssd speculates K tokens every round (default: adaptive K per step, down to 0, from "
-                        "measured costs, as ssd serve does)")
+                   help="modes sd and ssd speculate K tokens every round (default: adaptive K per step, down to "
+                        "0, from measured costs, as ssd serve does)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling_flags(g)
     _add_model_flags(g)
@@ -91,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-k", type=int, default=3, help="SSD lookahead, the most adaptive K plans (default 3, ssd "
                    "bench's)")
     d.add_argument("--fixed-k", action="store_true",
-                   help="mode ssd speculates K tokens every round (default: adaptive K per step, down to 0, from "
-                        "measured costs, as ssd serve does)")
+                   help="modes sd and ssd speculate K tokens every round (default: adaptive K per step, down to "
+                        "0, from measured costs, as ssd serve does)")
     d.add_argument("--threads", type=int, default=1)
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")

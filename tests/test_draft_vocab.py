@@ -53,7 +53,7 @@ def test_mapped_logits_are_the_full_heads_inside_and_minus_inf_outside(models):
 
 
 def test_bad_token_map_is_refused(models, tmp_path):
-    from spec_core.runner import load_token_map
+    from spec_core.arch import load_token_map
 
     (tmp_path / "token_map.json").write_text(json.dumps([3, 1, 2]))
     with pytest.raises(ValueError, match="ascending"):

@@ -68,15 +68,18 @@ def test_an_fp32_draft_takes_the_fast_paths_and_the_target_stays_the_reference(t
     assert target.exact and target.kernels is None and not target.pad_rows
     assert not draft.exact and draft.pad_rows and all(n.doubled is not None for n in norms(draft))
     assert (draft.kernels is not None) == (cpu_kernels.load(torch.float32) is not None)
-    gen = Generator.from_pair(LoadedPair(target, draft, None, ()), k=3)
-    outs = {}
-    for mode, k in (("ar", 0), ("sd", 3)):
+    fixed = Generator.from_pair(LoadedPair(target, draft, None, ()), k=3)
+    planned = Generator.from_pair(fixed.pair, k=3, adaptive=True)  # SD's K from measured costs, as ssd serve plans
+    assert fixed.engine("sd", 3).adaptive is None and planned.engine("sd", 3).adaptive.k_max == 3
+    assert planned.engine("ar", 0).adaptive is None
+    outs, stats = {}, {}
+    for name, gen, mode, k in (("ar", fixed, "ar", 0), ("sd", fixed, "sd", 3), ("sd-planned", planned, "sd", 3)):
         seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True))
                 for i, p in enumerate(([5, 17, 42, 9], [100, 3, 77]))]
-        outs[mode] = [s.output_ids for s in seqs if run_one(gen.engine(mode, k), s)]
-        stats = [s.stats for s in seqs]
-    assert outs["sd"] == outs["ar"] and all(len(o) == 24 for o in outs["ar"])
-    assert sum(s.num_accepted for s in stats) > 0  # the noisy draft agrees often: the drafts were used
+        outs[name] = [s.output_ids for s in seqs if run_one(gen.engine(mode, k), s)]
+        stats[name] = [s.stats for s in seqs]
+    assert outs["sd"] == outs["ar"] == outs["sd-planned"] and all(len(o) == 24 for o in outs["ar"])
+    assert sum(s.num_accepted for s in stats["sd"]) > 0  # the noisy draft agrees often: the drafts were used
 
 
 def test_pack_leaves_out_a_mask_that_hides_nothing(tiny_models):

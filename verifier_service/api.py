@@ -73,18 +73,22 @@ def engine_for_one(target, drafter: BatchDrafter | None, k: int, block_size: int
 
 
 class Generator:
-    """Loads a target (and draft) once and serves single requests in AR or SD mode, on the verifier engine."""
+    """Loads a target (and draft) once and serves single requests in AR or SD mode, on the verifier engine.
 
-    def __init__(self, target: ModelConfig, draft: ModelConfig | None, k: int = 5) -> None:
+    ``adaptive``: SD chooses K per step from measured costs, up to K and down to 0 (one planner per engine, kept
+    across requests), as ``ssd serve`` does; otherwise it drafts K tokens every round."""
+
+    def __init__(self, target: ModelConfig, draft: ModelConfig | None, k: int = 5, adaptive: bool = False) -> None:
         self.pair: LoadedPair = load_pair(target, draft)
         self.k = k
+        self.adaptive = adaptive
         self._engines: dict[tuple[str, int], VerifierEngine] = {}
 
     @classmethod
-    def from_pair(cls, pair: LoadedPair, k: int = 5) -> Generator:
+    def from_pair(cls, pair: LoadedPair, k: int = 5, adaptive: bool = False) -> Generator:
         """A generator over an already loaded pair."""
         gen = cls.__new__(cls)
-        gen.pair, gen.k, gen._engines = pair, k, {}
+        gen.pair, gen.k, gen.adaptive, gen._engines = pair, k, adaptive, {}
         return gen
 
     @property
@@ -108,7 +112,12 @@ class Generator:
             if mode == "sd":
                 draft = self.pair.draft
                 drafter = BatchDrafter(draft, DraftConfig(k=k, num_blocks=blocks_for_one(draft, k), block_size=16))
-            self._engines[key] = engine_for_one(self.pair.target, drafter, key[1])
+            engine = engine_for_one(self.pair.target, drafter, key[1])
+            if drafter is not None and self.adaptive and k > 0:
+                from verifier_service.adaptive import AdaptiveK
+
+                engine.adaptive = AdaptiveK(k_max=k)
+            self._engines[key] = engine
         return self._engines[key]
 
     def generate(

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from spec_core.arch import TOKEN_MAP_FILE
 from spec_core.config import native_bf16
-from spec_core.runner import TOKEN_MAP_FILE
 from spec_core.training.draft_data import load_shards
 
 logger = logging.getLogger(__name__)
