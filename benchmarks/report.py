@@ -102,8 +102,7 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         "itl_s_p99": percentile(runs.itls, 99),
         "mean_tokens_per_round": s.mean_tokens_per_round if not is_ar(mode) else 1.0,
         # rounds decoded without speculating (adaptive K = 0: speculation did not pay), as a share of all rounds
-        "plain_round_fraction": (s.num_rounds - s.num_drafts) / s.num_rounds if s.num_rounds and not is_ar(mode)
-        else None,
+        "plain_round_fraction": s.plain_round_fraction if not is_ar(mode) else None,
         "batching": "batch 1" if mode.startswith(("hf", "llama")) else None,
         "target_threads": 2 if mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 else None,
         "acceptance_rate": s.acceptance_rate,

@@ -45,6 +45,11 @@ class DecodeStats:
         return ratio(self.num_round_tokens, self.num_rounds)
 
     @property
+    def plain_round_fraction(self) -> float | None:
+        """Rounds that proposed nothing (planned K = 0, or a miss with no backup match), of all rounds."""
+        return ratio(self.num_rounds - self.num_drafts, self.num_rounds)
+
+    @property
     def acceptance_rate(self) -> float | None:
         return ratio(self.num_accepted, self.num_drafted)
 

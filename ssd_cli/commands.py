@@ -150,9 +150,7 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: b
     config = LocalSSDConfig(draft_path, SSDConfig(k=k), adaptive_k=adaptive)
     with LocalSSD(pair.target, config, eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
-    # rounds that proposed nothing (adaptive K = 0, or a miss the n-gram backup found no match for), as a share of all
-    # rounds (ssd bench's field)
-    ssd["plain_round_fraction"] = (stats.num_rounds - stats.num_drafts) / stats.num_rounds if stats.num_rounds else 0.0
+    ssd["plain_round_fraction"] = stats.plain_round_fraction or 0.0  # ssd bench's field
     text = chat.decode(pair.tokenizer, seq.output_ids)
     result = GenerationResult("ssd", ids, list(seq.output_ids), text, seq.finish_reason, stats, stats.prefill_s,
                               list(seq.emit_times))
@@ -168,8 +166,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def _plan(k: int, fixed: bool, stats) -> str:
     """How a demo row chose K, and the share of its rounds that proposed nothing."""
-    plain = (stats.num_rounds - stats.num_drafts) / stats.num_rounds if stats.num_rounds else 0.0
-    return f"k={k}" if fixed else f"adaptive k <= {k}, no draft on {plain:.0%} of rounds"
+    return f"k={k}" if fixed else f"adaptive k <= {k}, no draft on {stats.plain_round_fraction or 0.0:.0%} of rounds"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
