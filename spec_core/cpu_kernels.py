@@ -38,7 +38,9 @@ from spec_core.quant import matmul
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "decode_ops.c"
+#: The C sources of the one library: the decoder's small ops, and quantized matmuls over activations quantized per
+#: row and block.
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
 #: decode, verify and draft steps); longer forwards (prefill chunks) keep torch's SDPA.
@@ -58,7 +60,8 @@ def _cpu_flags() -> str:
 
 def library_path() -> Path:
     """Where this machine's build lives: named by the source, the compiler flags and the CPU's features."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"decode_ops-{key}.so"
 
 
@@ -75,7 +78,7 @@ def build() -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         try:
-            proc = subprocess.run([cc, *FLAGS, "-o", str(tmp_out), str(SOURCE), "-lm"], capture_output=True,
+            proc = subprocess.run([cc, *FLAGS, "-o", str(tmp_out), *map(str, SOURCES), "-lm"], capture_output=True,
                                   text=True)
         except OSError as exc:
             raise RuntimeError(f"cannot run the C compiler {cc}: {exc}") from exc
@@ -125,6 +128,43 @@ class DecodeKernels:
         self._attend(qkv.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(), pool_ptr,
                      write.data_ptr(), kv_slots.data_ptr(), None if mask is None else mask.data_ptr(),
                      out.data_ptr(), bsz, t, s, heads, kv_heads, head_dim)
+
+
+class QuantGemm:
+    """``kernels/quant_gemm.c``: ``x @ w`` for the packed weights of :mod:`spec_core.quant`
+    (:class:`~spec_core.quant.RowW8A8Weight`, :class:`~spec_core.quant.RowInt4Weight`), each block of 32 of a row of
+    ``x`` quantized to int8 with its own scale (batch-invariant), one call per matmul. ``x``: ``[rows, in]`` fp32,
+    contiguous; the result ``[rows, out]`` fp32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._w8a8, self._q4 = lib.w8a8_gemm, lib.q4_gemm
+        for f in (self._w8a8, self._q4):
+            f.argtypes = [p, p, p, p, i, i, i]
+            f.restype = None
+
+    def w8a8(self, x: torch.Tensor, w) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], w.out_features)
+        self._w8a8(x.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), y.data_ptr(), x.shape[0], w.in_features,
+                   w.out_features)
+        return y
+
+    def q4(self, x: torch.Tensor, w) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], w.out_features)
+        self._q4(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), y.data_ptr(), x.shape[0], w.in_features,
+                 w.out_features)
+        return y
+
+
+@functools.cache
+def quant_gemm() -> QuantGemm | None:
+    """The compiled quantized matmuls where they were built with SIMD (AVX2, FMA, F16C), else None (logged once
+    where the library cannot be built): their plain-C forms compute the same floats, but slower than torch's."""
+    lib = _library()
+    if lib is None:
+        return None
+    lib.quant_simd.restype = ctypes.c_int
+    return QuantGemm(lib) if lib.quant_simd() else None
 
 
 @functools.cache

@@ -157,13 +157,58 @@ def quantize_int4(w: torch.Tensor | LinearWeight) -> Int4Weight:
     if inp % INT4_GROUP or out % 16:
         raise ValueError(f"dtype int4 needs input sizes divisible by {INT4_GROUP} and output sizes by 16 (the "
                          f"kernel's tiles), got a {inp} x {out} matrix")
+    q, d, lo = _q4_1(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32), 1)
+    scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).to(KERNEL_INPUT_DTYPE).contiguous()
+    return Int4Weight(packed, scale_zero)
+
+
+def _q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 of an fp32 ``[out, in]`` matrix: codes ``[out, in / 32, 32]`` (0..15, as floats), and each group's d
+    and m ``[out, in / 32]``."""
+    out, inp = w.shape
     groups = w.view(out, inp // INT4_GROUP, INT4_GROUP)
     lo, hi = groups.amin(-1), groups.amax(-1)
     d = (hi - lo) / 15
     q = torch.round((groups - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]).clamp(0, 15)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out, inp).to(torch.int32), 1)
-    scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).to(KERNEL_INPUT_DTYPE).contiguous()
-    return Int4Weight(packed, scale_zero)
+    return q, d, lo
+
+
+@dataclass(frozen=True, slots=True)
+class RowInt4Weight:
+    """A ``[in, out]`` weight in Q4_1 (4-bit codes, d and m per group of 32 inputs, fp16 as in the GGUF) packed for
+    the compiled matmul (``kernels/quant_gemm.c``), which multiplies it with activations quantized per row and
+    block of 32 (llama.cpp's Q4_1 × Q8 arithmetic): batch-invariant."""
+
+    codes: torch.Tensor  #: uint8 ``[ceil(out / 8), in / 32, 8, 16]``: input i low nibble, input 16 + i high
+    scales: torch.Tensor  #: fp16 ``[ceil(out / 8), in / 32, 2, 8]``: d, then m
+    in_features: int
+    out_features: int
+    gemm: object  #: the kernel, ``(x [rows, in] fp32, weight) -> [rows, out] fp32``
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+
+def pack_q4_rows(w: torch.Tensor | LinearWeight, gemm) -> RowInt4Weight:
+    """A weight (``[in, out]`` tensor or :class:`LinearWeight`) as a :class:`RowInt4Weight` for ``gemm``: the codes
+    of :func:`quantize_int4` (a Q4_1 matrix's own), d and m rounded to fp16 (the GGUF's own precision)."""
+    w = (w.w if isinstance(w, LinearWeight) else w.t()).float()  # [out, in]
+    out, inp = w.shape
+    if inp % INT4_GROUP:
+        raise ValueError(f"dtype int4 needs input sizes divisible by {INT4_GROUP}, got a {inp} x {out} matrix")
+    q, d, m = _q4_1(w)
+    op, groups = -(-out // 8) * 8, inp // INT4_GROUP
+    q = F.pad(q.to(torch.uint8), (0, 0, 0, 0, 0, op - out))  # [op, groups, 32]
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).view(op // 8, 8, groups, 16).transpose(1, 2).contiguous()
+    dm = torch.stack([F.pad(d, (0, 0, 0, op - out)), F.pad(m, (0, 0, 0, op - out))])  # [2, op, groups]
+    scales = dm.view(2, op // 8, 8, groups).permute(1, 3, 0, 2).to(torch.float16).contiguous()
+    return RowInt4Weight(nibbles, scales, inp, out, gemm)
 
 
 def dequantize_int4(w: Int4Weight) -> torch.Tensor:
@@ -242,6 +287,38 @@ def quantize_w8a8(w_t: torch.Tensor) -> W8A8Weight:
     return W8A8Weight(torch.ops.quantized.linear_prepack(per_channel, None), w_t.shape[0], out)
 
 
+@dataclass(frozen=True, slots=True)
+class RowW8A8Weight:
+    """A ``[in, out]`` weight as int8 codes packed for the compiled W8A8 matmul (``kernels/quant_gemm.c``), which
+    quantizes each block of 32 of an input row with its own scale: a row's result never depends on the rows beside
+    it, and all 8 bits of each activation are kept (fbgemm keeps 7 without VNNI)."""
+
+    packed: torch.Tensor  #: int8 ``[ceil(out / 8), ceil(in / 32), 8, 32]``, zero-padded
+    scale: torch.Tensor  #: fp32 ``[8 · ceil(out / 8)]``, zero-padded
+    in_features: int
+    out_features: int
+    gemm: object  #: the kernel, ``(x [rows, in] fp32, weight) -> [rows, out] fp32``
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.in_features * self.out_features + self.out_features * 4
+
+
+def pack_w8a8_rows(w_t: torch.Tensor, gemm) -> RowW8A8Weight:
+    """A ``[in, out]`` fp32 weight as a :class:`RowW8A8Weight` for ``gemm``: the codes and scales of
+    :func:`quantize_int8` (those of :func:`quantize_w8a8`), in the kernel's blocks."""
+    q = quantize_int8(w_t)
+    out, inp = q.q.shape
+    op, ip = -(-out // 8) * 8, -(-inp // 32) * 32
+    codes = F.pad(q.q, (0, ip - inp, 0, op - out))
+    packed = codes.view(op // 8, 8, ip // 32, 32).permute(0, 2, 1, 3).contiguous()
+    return RowW8A8Weight(packed, F.pad(q.scale.float(), (0, op - out)).contiguous(), inp, out, gemm)
+
+
 @dataclass(slots=True)
 class Observed:
     """A float weight that records the largest |x| of each input channel it multiplies (calibration)."""
@@ -258,7 +335,8 @@ class Observed:
         self.amax = m if self.amax is None else torch.maximum(self.amax, m)
 
 
-Weight = torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight | W8A8Weight | Observed
+Weight = (torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight | W8A8Weight | RowW8A8Weight
+          | RowInt4Weight | Observed)
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -278,7 +356,9 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if bias is not None:
         return matmul(x, w) + bias
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if isinstance(w, W8A8Weight):
+    if isinstance(w, (RowW8A8Weight, RowInt4Weight)):
+        y = w.gemm(flat.float().contiguous(), w)
+    elif isinstance(w, W8A8Weight):
         y = _linear_dynamic(flat.float(), w.packed, w8a8_reduce_range())
     elif isinstance(w, Int4Weight):
         y = _int4_mm(flat.to(KERNEL_INPUT_DTYPE), w.packed, INT4_GROUP, w.scale_zero)
@@ -287,10 +367,15 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
-def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:
-    """``w`` in the weight-only format ``fmt`` (``int8`` or ``int4``)."""
+def quantize(w: Weight, fmt: str, kernels=None) -> Int8Weight | Int4Weight | RowW8A8Weight | RowInt4Weight:
+    """``w`` in the weight-only format ``fmt`` (``int8`` or ``int4``): for torch's kernels, or for the compiled
+    ``kernels`` (:func:`spec_core.cpu_kernels.quant_gemm`) where given, whose int8 matrices are W8A8's."""
     if isinstance(w, PackedLinear):
         w = LinearWeight(w.dense())
+    if kernels is not None and fmt == "int4":
+        return pack_q4_rows(w, kernels.q4)
+    if kernels is not None and fmt == "int8":
+        return pack_w8a8_rows(w.w.t() if isinstance(w, LinearWeight) else w, kernels.w8a8)
     if fmt == "int8":
         return quantize_int8(w.w.t() if isinstance(w, LinearWeight) else w)
     if fmt == "int4":
@@ -299,6 +384,6 @@ def quantize(w: Weight, fmt: str) -> Int8Weight | Int4Weight:
 
 
 def nbytes(t: Weight) -> int:
-    if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear, W8A8Weight)):
+    if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear, W8A8Weight, RowW8A8Weight, RowInt4Weight)):
         return t.nbytes
     return t.numel() * t.element_size()

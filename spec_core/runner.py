@@ -41,7 +41,17 @@ from spec_core.arch import ArchSpec, load_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
 from spec_core.ops import RMSNorm, rope_, signed_sin
-from spec_core.quant import LinearWeight, PackedLinear, Weight, can_prepack, matmul, nbytes, quantize
+from spec_core.quant import (
+    LinearWeight,
+    PackedLinear,
+    RowInt4Weight,
+    RowW8A8Weight,
+    Weight,
+    can_prepack,
+    matmul,
+    nbytes,
+    quantize,
+)
 from spec_core.row_padding import MAX_ROWS, RowPadding, measure
 
 logger = logging.getLogger(__name__)
@@ -98,10 +108,10 @@ class Layer:
         self.ln_attn = norm(place(take(f"{prefix}.input_layernorm.weight")))
         self.ln_mlp = norm(place(take(f"{prefix}.post_attention_layernorm.weight")))
 
-    def quantize(self, fmt: str) -> None:
-        """Weight-only matrices in ``fmt`` (see :mod:`spec_core.quant`)."""
-        self.qkv, self.o = quantize(self.qkv, fmt), quantize(self.o, fmt)
-        self.gate_up, self.down = quantize(self.gate_up, fmt), quantize(self.down, fmt)
+    def quantize(self, fmt: str, kernels=None) -> None:
+        """Weight-only matrices in ``fmt``, for torch's kernels or the compiled ones (see :func:`quantize`)."""
+        self.qkv, self.o = quantize(self.qkv, fmt, kernels), quantize(self.o, fmt, kernels)
+        self.gate_up, self.down = quantize(self.gate_up, fmt, kernels), quantize(self.down, fmt, kernels)
 
 
 #: The attention kernels SDPA may pick on a GPU: not cuDNN's, which builds an execution plan for every new shape (each
@@ -139,21 +149,18 @@ class ModelRunner:
             return t.to(device=self.device, dtype=dtype)
 
         self.embed = place(raw.pop("model.embed_tokens.weight"))
-        head_raw = raw.pop("lm_head.weight", None)
-        self.token_map = load_token_map(path, self.spec.vocab_size)
-        if self.token_map is not None:
-            self.token_map = self.token_map.to(self.device)
-        head = self.embed if self.spec.tie_embeddings or head_raw is None else place(head_raw)
-        if self.token_map is not None:
-            head = head[self.token_map]
-        self.lm_head = dense_layout(head)
-        if weights in ("int8", "int4"):
-            self.lm_head = quantize(self.lm_head, HEAD_FORMAT.get(weights, weights))
+        self.lm_head = self._head(raw, place)
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
         #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement. A
         #: draft passes ``reference=False``: its arithmetic never reaches the output (the verifier uses the q it
         #: drafted from), so an fp32 draft takes the CPU fast paths too.
         self.exact = reference and dtype == torch.float32 and weights is None
+        cos, sin = self._rope_tables()
+        self._cpu_fast_paths(pad_rows, kernels, (cos, sin))
+        # int4 multiplies through the compiled Q4_1 x Q8 matmul where the CPU kernels run (int8 head: W8A8's)
+        quant_kernels = cpu_kernels.quant_gemm() if weights == "int4" and self.kernels is not None else None
+        if weights in ("int8", "int4"):
+            self.lm_head = quantize(self.lm_head, HEAD_FORMAT.get(weights, weights), quant_kernels)
 
         def norm(weight: torch.Tensor) -> RMSNorm:
             return RMSNorm.build(weight, self.spec.rms_norm_eps, fused=not self.exact)
@@ -163,10 +170,9 @@ class ModelRunner:
         for i in range(self.spec.num_layers):
             layer = Layer(raw, f"model.layers.{i}", self.spec, place, norm)
             if weights in ("int8", "int4"):
-                layer.quantize(weights)
+                layer.quantize(weights, quant_kernels)
             self.layers.append(layer)
         del raw
-        cos, sin = self._rope_tables()
         self.cos, self.sin_signed = cos.to(dtype), signed_sin(sin).to(dtype)
         #: CPU attention over bf16/fp16 K/V runs in fp32: torch's half-precision CPU attention kernel is several
         #: times slower for decode rows (200 us against 45 us per layer here), and fp32 is the more exact of the two.
@@ -175,7 +181,22 @@ class ModelRunner:
         self.kv_size = self.spec.num_kv_heads * self.spec.head_dim
         if weights == "w8a8":
             self._convert_w8a8()
-        self._cpu_fast_paths(pad_rows, kernels, (cos, sin))
+        #: Whether a forward computes each token's logits independently of the other rows and tokens it carries
+        #: (every matrix the compiled kernels', and their attention for forwards of any length): SD and SSD then
+        #: equal this runner's own AR token for token, as they equal transformers' in fp32.
+        self.batch_invariant = self.kernels is not None and all(
+            isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in self.weight_matrices())
+
+    def _head(self, raw: dict[str, torch.Tensor], place) -> Weight:
+        """The LM head (the embedding where tied), cut to the draft's token map where it has one."""
+        head_raw = raw.pop("lm_head.weight", None)
+        self.token_map = load_token_map(self.path, self.spec.vocab_size)
+        if self.token_map is not None:
+            self.token_map = self.token_map.to(self.device)
+        head = self.embed if self.spec.tie_embeddings or head_raw is None else place(head_raw)
+        if self.token_map is not None:
+            head = head[self.token_map]
+        return dense_layout(head)
 
     def _cpu_fast_paths(self, pad_rows: bool, kernels: bool, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Row padding and the compiled small ops: CPU runners other than the fp32 exactness reference, unless
@@ -201,7 +222,7 @@ class ModelRunner:
 
         from spec_core import w8a8
 
-        w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(self.path))))
+        w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(self.path))), gemm=w8a8.row_gemm(self))
 
     @property
     def vocab_size(self) -> int:
@@ -296,7 +317,7 @@ class ModelRunner:
     def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor:
         """Run a packed ragged batch over a paged cache (see :class:`PagedBatch`). Returns fp32 logits."""
         bsz, t = batch.input_ids.shape
-        if self.kernels is not None and t <= cpu_kernels.MAX_TOKENS_PER_ROW:
+        if self.kernels is not None and (t <= cpu_kernels.MAX_TOKENS_PER_ROW or self.batch_invariant):
             return self._logits(cpu_kernels.run_paged(self, cache, batch), batch.logits_index)
         write = batch.write_slots.reshape(-1)
         flat_kv = batch.kv_slots.reshape(-1)

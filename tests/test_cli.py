@@ -42,10 +42,18 @@ def test_generate_json(mode):
         assert 0 <= out["acceptance_rate"] <= 1
 
 
-def test_generate_greedy_modes_agree(toy_pair):
+@pytest.mark.parametrize("dtype", ["float32", "w8a8"])
+def test_generate_greedy_modes_agree(toy_pair, dtype):
     """AR, and SD and SSD with adaptive K (the default, as ssd serve runs them) and with --fixed-k, agree token for
-    token."""
-    pair = ["--target", toy_pair["target"], "--draft", toy_pair["draft"]]
+    token: in fp32 (transformers' arithmetic), and on w8a8 where its forward is batch-invariant (the compiled kernel
+    with a scale per row, on x86 without VNNI)."""
+    if dtype == "w8a8":
+        from spec_core import cpu_kernels
+        from spec_core.quant import can_w8a8, w8a8_reduce_range
+
+        if not (can_w8a8() and cpu_kernels.quant_gemm() is not None and w8a8_reduce_range()):
+            pytest.skip("w8a8 is batch-invariant with the compiled kernel on x86 CPUs without VNNI")
+    pair = ["--target", toy_pair["target"], "--draft", toy_pair["draft"], "--dtype", dtype]
     runs = {"ar": ["--mode", "ar"], "sd": ["--mode", "sd"], "sd-fixed": ["--mode", "sd", "--fixed-k"],
             "ssd": ["--mode", "ssd", "--k", "3"],
             "ssd-fixed": ["--mode", "ssd", "--k", "3", "--fixed-k"]}

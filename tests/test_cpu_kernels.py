@@ -124,3 +124,131 @@ def test_the_build_is_cached_by_source_flags_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="C compiler"):
         cpu_kernels.build()
+
+
+def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
+    """A query's attention output is bit for bit the same whether it runs alone (a decode step), among a verify's
+    later, masked-off tokens, as a tree node with masked siblings in between, or past the first QUERY_CHUNK queries
+    of a long forward (a prefill): the softmax sums its nonzero terms in their order only, and each query's
+    arithmetic is its own."""
+    k = cpu_kernels.load(torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, n = 4, 2, 16, 45  # 45 tokens: more than one chunk of 32 queries
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    cos, sin = torch.randn(64, d, generator=gen), torch.randn(64, d, generator=gen)
+    pool = torch.zeros(n + 1, 2 * kv_heads, d)
+
+    def attend(first, count):
+        """Tokens [first, first + count) after a pool holding [0, first): their outputs, causal."""
+        out = torch.empty(count, heads * d)
+        kv_slots = torch.arange(first + count)[None]
+        mask = kv_slots[:, None, :] <= torch.arange(first, first + count)[None, :, None]
+        k.rope_store_attend(qkv[first:first + count].contiguous(), (cos, sin), torch.arange(first, first + count),
+                            pool.data_ptr(), torch.arange(first, first + count), kv_slots, mask, out, heads,
+                            kv_heads, d)
+        return out
+
+    whole = attend(0, n)  # one long forward, queries 32.. in the second chunk
+    assert torch.equal(attend(40, 5), whole[40:])  # a verify of 5 over the same pool
+    for i in (40, 41, 44):
+        assert torch.equal(attend(i, 1), whole[i:i + 1])  # a one-token step
+    # a tree node: its siblings' slots masked in between its ancestors' give what the ancestors alone give
+    node = qkv[44:45].contiguous()
+    seen = [s for s in range(45) if s not in (20, 33, 41)]
+    outs = []
+    for slots, mask in ((torch.arange(45)[None], torch.tensor([[[s in seen for s in range(45)]]])),
+                        (torch.tensor([seen]), None)):
+        out = torch.empty(1, heads * d)
+        k.rope_store_attend(node, (cos, sin), torch.tensor([44]), pool.data_ptr(), torch.tensor([44]), slots, mask,
+                            out, heads, kv_heads, d)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def _w8a8_reference(x, w):
+    """The compiled W8A8 matmul's contract in float64: each block of 32 of a row quantized with its own scale
+    (rounding half to even), integer products, then the blocks' and the output channel's scales."""
+    inp = w.in_features
+    blocks = F.pad(x, (0, -inp % 32)).view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.round(blocks * torch.where(top > 0, 127 / top, 0)) * (top / 127)
+    codes = w.packed.permute(0, 2, 1, 3).reshape(w.packed.shape[0] * 8, -1)[: w.out_features]
+    return (xq.flatten(1).double() @ codes.double().t()) * w.scale[None, : w.out_features].double()
+
+
+def _plain_c_kernels(tmp_path) -> cpu_kernels.QuantGemm:
+    """The quantized matmuls built without SIMD (their plain-C forms), through ctypes."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    out = tmp_path / "plain.so"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-O2", "-march=x86-64", "-shared", "-fPIC", "-o", str(out),
+                    str(cpu_kernels.SOURCES[1]), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.quant_simd.restype = ctypes.c_int
+    assert lib.quant_simd() == 0
+    return cpu_kernels.QuantGemm(lib)
+
+
+@pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
+def test_w8a8_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(tmp_path):
+    from spec_core.quant import RowW8A8Weight, dequantize, matmul, nbytes, pack_w8a8_rows, quantize_int8
+
+    gen = torch.Generator().manual_seed(9)
+    plain = _plain_c_kernels(tmp_path)
+    for inp, out in ((96, 40), (100, 13), (576, 960)):  # sizes off the kernel's blocks of 32 inputs and 8 outputs too
+        w_t = torch.randn(inp, out, generator=gen)
+        w = pack_w8a8_rows(w_t, cpu_kernels.quant_gemm().w8a8)
+        assert isinstance(w, RowW8A8Weight) and w.shape == (inp, out) and nbytes(w) == inp * out + out * 4
+        assert torch.equal(w.scale[:out], quantize_int8(w_t).scale.float())
+        x = torch.randn(6, inp, generator=gen)
+        x[0, 3] = 50.0  # an outlier channel coarsens only its own block of 32
+        got = matmul(x, w)
+        ref = _w8a8_reference(x, w)
+        assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+        dense = x @ dequantize(quantize_int8(w_t))
+        err = (got - dense).abs().amax(1) / dense.abs().max()  # 8 bits per activation, scaled per block
+        assert err[1:].max() < 0.005 and err[0] < 0.03
+        loud = torch.cat([x[:1], x[1:] * 1000, torch.zeros(1, inp)])
+        assert torch.equal(matmul(loud, w)[0], got[0]) and torch.equal(matmul(x[:1], w)[0], got[0])
+        assert torch.equal(matmul(loud, w)[-1], torch.zeros(out))  # an all-zero row has scale 0, not NaN
+        assert torch.equal(plain.w8a8(x, w), got)  # the plain-C form rounds as the AVX2 one does
+
+
+def _q4_reference(x, w_t):
+    """The compiled Q4_1 matmul's contract in float64: Q4_1 weights (d and m in fp16) times activations quantized
+    per block of 32, as :func:`_w8a8_reference`."""
+    from spec_core.quant import _q4_1
+
+    q, d, m = _q4_1(w_t.t().float())
+    w = (q * d.half().double()[..., None] + m.half().double()[..., None]).flatten(1)  # [out, in]
+    blocks = x.view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    xq = torch.round(blocks * torch.where(top > 0, 127 / top, 0)) * (top / 127)
+    return xq.flatten(1).double() @ w.t()
+
+
+@pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
+def test_q4_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(tmp_path):
+    from spec_core.quant import RowInt4Weight, matmul, nbytes, pack_q4_rows, quantize
+
+    gen = torch.Generator().manual_seed(4)
+    plain = _plain_c_kernels(tmp_path)
+    for inp, out in ((64, 40), (96, 13), (576, 960)):
+        w_t = torch.randn(inp, out, generator=gen)
+        w = pack_q4_rows(w_t, cpu_kernels.quant_gemm().q4)
+        assert isinstance(w, RowInt4Weight) and w.shape == (inp, out)
+        assert nbytes(w) == -(-out // 8) * 8 * inp // 32 * 20  # Q4_1's 20 bytes per 32 weights (padded outputs)
+        x = torch.randn(5, inp, generator=gen)
+        got = matmul(x, w)
+        ref = _q4_reference(x, w_t)
+        assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+        loud = torch.cat([x[:1], x[1:] * 1000])
+        assert torch.equal(matmul(loud, w)[0], got[0]) and torch.equal(matmul(x[:1], w)[0], got[0])
+        assert torch.equal(plain.q4(x, w), got)
+    # torch's int4 kernel (bf16 activations) on the same Q4_1 codes agrees to activation rounding
+    torch_q4 = quantize(w_t, "int4")
+    dense = matmul(x, torch_q4)
+    assert (got - dense).abs().max() < 0.02 * dense.abs().max()

@@ -1,12 +1,22 @@
-"""``--dtype w8a8``: int8 weights and activations through fbgemm, with SmoothQuant scales calibrated at load
-(:mod:`spec_core.w8a8`). Its greedy agreement with fp32 on the real pair is reported in ``test_real_pair.py``."""
+"""``--dtype w8a8``: int8 weights and activations (through fbgemm, or the compiled kernel with a scale per row), with
+SmoothQuant scales calibrated at load (:mod:`spec_core.w8a8`). Its greedy agreement with fp32 on the real pair is reported in ``test_real_pair.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spec_core.quant import Observed, W8A8Weight, can_w8a8, matmul, nbytes, quantize_w8a8
+from spec_core import cpu_kernels
+from spec_core.quant import (
+    Observed,
+    RowW8A8Weight,
+    W8A8Weight,
+    can_w8a8,
+    matmul,
+    nbytes,
+    quantize_w8a8,
+    w8a8_reduce_range,
+)
 
 pytestmark = pytest.mark.skipif(not can_w8a8(), reason="this torch build has no fbgemm (x86 CPUs only)")
 
@@ -79,9 +89,15 @@ def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
 
     ref = ModelRunner(toy_pair["target"])
     runner = ModelRunner(toy_pair["target"], weights="w8a8")
+    # the compiled kernel with a scale per row where fbgemm would keep 7 bits (x86 without VNNI), else fbgemm
+    rows = cpu_kernels.quant_gemm() is not None and w8a8_reduce_range()
+    assert runner.batch_invariant == rows
     layer = runner.layers[0]
-    assert all(isinstance(m, W8A8Weight) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    if onednn_bf16():  # a bf16 head where oneDNN multiplies bf16, else the fp32 one
+    kind = RowW8A8Weight if rows else W8A8Weight
+    assert all(isinstance(m, kind) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    if rows:  # the head too, so that the whole forward is batch-invariant
+        assert isinstance(runner.lm_head, RowW8A8Weight)
+    elif onednn_bf16():  # a bf16 head where oneDNN multiplies bf16, else the fp32 one
         assert isinstance(runner.lm_head, (PackedLinear, LinearWeight)) and nbytes(runner.lm_head) == nbytes(
             ref.lm_head) // 2
     else:
@@ -96,3 +112,10 @@ def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
         from spec_core.w8a8 import convert
 
         convert(runner, [[1, 2, 3]])
+
+
+def test_w8a8_without_the_kernels_is_fbgemms(toy_pair):
+    from spec_core.runner import ModelRunner
+
+    runner = ModelRunner(toy_pair["target"], weights="w8a8", kernels=False)
+    assert isinstance(runner.layers[0].qkv, W8A8Weight) and not runner.batch_invariant

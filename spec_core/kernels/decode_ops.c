@@ -20,6 +20,8 @@ typedef uint16_t bf16;
 
 /* How many slot rows ahead attention asks for its K/V rows. */
 #define AHEAD 8
+/* Attention's queries per pass over a row's slots (its score buffer holds QUERY_CHUNK x heads x slots). */
+#define QUERY_CHUNK 32
 
 static inline float load_bf16(const bf16 *p) {
     uint32_t u = (uint32_t)*p << 16;
@@ -94,17 +96,25 @@ static inline void prefetch(const void *p, int64_t n) {
     for (int64_t off = 0; off < n; off += 64) __builtin_prefetch((const char *)p + off);
 }
 
-/* Softmax of each of m rows of n scores, in place (a row's -inf entries become 0). */
+/* Lanes of the softmax's sum: the i-th nonzero entry adds into lane i % SUM_LANES, and the lanes add up in one fixed
+ * order. */
+#define SUM_LANES 8
+
+/* Softmax of each of m rows of n scores, in place (a row's -inf entries become 0). The sum's order depends only on
+ * the order of the entries that are not zero, never on where masked slots sit among them or after them: a query's
+ * weights are the same in a one-token step, a chain's verify and a tree's (whose siblings are masked in between). */
 static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
     for (int64_t r = 0; r < m; r++) {
-        float *restrict row = sc + r * n, top = -INFINITY, total = 0.f;
+        float *restrict row = sc + r * n, top = -INFINITY, lanes[SUM_LANES] = {0.f};
 #pragma omp simd reduction(max : top)
         for (int64_t x = 0; x < n; x++) top = row[x] > top ? row[x] : top;
-#pragma omp simd reduction(+ : total)
-        for (int64_t x = 0; x < n; x++) {
-            row[x] = exp_f32(row[x] - top);
-            total += row[x];
-        }
+#pragma omp simd
+        for (int64_t x = 0; x < n; x++) row[x] = exp_f32(row[x] - top);
+        int64_t rank = 0;
+        for (int64_t x = 0; x < n; x++)
+            if (row[x] != 0.f) lanes[rank++ % SUM_LANES] += row[x];
+        float total = 0.f;
+        for (int l = 0; l < SUM_LANES; l++) total += lanes[l];
         const float inv = 1.0f / total;
 #pragma omp simd
         for (int64_t x = 0; x < n; x++) row[x] *= inv;
@@ -157,11 +167,12 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
     void rope_store_attend_##SUF(const ACT *qkv, const float *cos, const float *sin, const int64_t *pos, ACT *pool, \
                                  const int64_t *write, const int64_t *kv, const uint8_t *mask, ACT *out, int64_t B,  \
                                  int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D) {                          \
-        const int64_t n = B * T, width = (H + 2 * KVH) * D, slot = 2 * KVH * D, group = H / KVH, m = T * H;        \
-        const float scale = 1.0f / sqrtf((float)D);                                                                \
-        float *q = malloc(sizeof(float) * (size_t)(n * H * D + D + m * S + m * D));                               \
-        float *row = q + n * H * D, *scores = row + D, *acc = scores + m * S;                                      \
-        for (int64_t i = 0; i < n; i++) { /* RoPE on q (scaled, kept in fp32) and k; k and v to their slot */      \
+        const int64_t n = B * T, width = (H + 2 * KVH) * D, slot = 2 * KVH * D, group = H / KVH;                     \
+        const int64_t tq = T < QUERY_CHUNK ? T : QUERY_CHUNK;                                                        \
+        const float scale = 1.0f / sqrtf((float)D);                                                                  \
+        float *q = malloc(sizeof(float) * (size_t)(n * H * D + D + tq * H * S + tq * H * D));                        \
+        float *row = q + n * H * D, *scores = row + D, *acc = scores + tq * H * S;                                   \
+        for (int64_t i = 0; i < n; i++) { /* RoPE on q (scaled, kept in fp32) and k; k and v to their slot */        \
             const ACT *x = qkv + i * width;                                                                          \
             const float *c = cos + pos[i] * D, *s = sin + pos[i] * D;                                                \
             for (int64_t h = 0; h < H; h++) {                                                                        \
@@ -176,42 +187,47 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
             }                                                                                                        \
             memcpy(dst + KVH * D, x + (H + KVH) * D, sizeof(ACT) * (size_t)(KVH * D));                               \
         }                                                                                                            \
-        /* Then attention (every store first: a tree's nodes see ancestors written by this call). A row's queries   \
-         * share its slots: one pass over them computes every head's scores (each slot's K heads are contiguous),  \
-         * a second accumulates every head's output from its V heads. Score and output row r is query t, head h:  \
-         * r = t * H + h, with h = j * group + g on K/V head j. */                                                  \
+        /* Then attention (every store first: a tree's nodes see ancestors written by this call), for each row's     \
+         * queries in chunks of QUERY_CHUNK. A chunk's queries share the row's slots: one pass over them computes    \
+         * every head's scores (each slot's K heads are contiguous), a second accumulates every head's output from   \
+         * its V heads. Score and output row r is query t of the chunk, head h: r = t * H + h, with                  \
+         * h = j * group + g on K/V head j. Each query's arithmetic is its own, whatever the chunk holds. */         \
         for (int64_t b = 0; b < B; b++) {                                                                            \
             const int64_t *slots = kv + b * S;                                                                       \
-            const uint8_t *mb = mask ? mask + b * T * S : NULL;                                                      \
-            const float *qb = q + b * T * H * D;                                                                     \
-            for (int64_t x = 0; x < S; x++) {                                                                        \
-                if (x + AHEAD < S) prefetch(pool + slots[x + AHEAD] * slot, KVH * D * (int64_t)sizeof(ACT));        \
-                const ACT *base = pool + slots[x] * slot;                                                            \
-                for (int64_t j = 0; j < KVH; j++) {                                                                  \
-                    const float *k = row_##SUF(base + j * D, row, D);                                                \
-                    for (int64_t t = 0; t < T; t++) {                                                                \
-                        const int seen = !mb || mb[t * S + x];                                                       \
-                        for (int64_t h = j * group; h < (j + 1) * group; h++)                                        \
-                            scores[(t * H + h) * S + x] = seen ? dot_f32(qb + (t * H + h) * D, k, D) : -INFINITY;   \
+            for (int64_t t0 = 0; t0 < T; t0 += QUERY_CHUNK) {                                                        \
+                const int64_t tc = T - t0 < QUERY_CHUNK ? T - t0 : QUERY_CHUNK, m = tc * H;                          \
+                const uint8_t *mb = mask ? mask + (b * T + t0) * S : NULL;                                           \
+                const float *qb = q + (b * T + t0) * H * D;                                                          \
+                for (int64_t x = 0; x < S; x++) {                                                                    \
+                    if (x + AHEAD < S) prefetch(pool + slots[x + AHEAD] * slot, KVH * D * (int64_t)sizeof(ACT));     \
+                    const ACT *base = pool + slots[x] * slot;                                                        \
+                    for (int64_t j = 0; j < KVH; j++) {                                                              \
+                        const float *k = row_##SUF(base + j * D, row, D);                                            \
+                        for (int64_t t = 0; t < tc; t++) {                                                           \
+                            const int seen = !mb || mb[t * S + x];                                                   \
+                            for (int64_t h = j * group; h < (j + 1) * group; h++)                                    \
+                                scores[(t * H + h) * S + x] = seen ? dot_f32(qb + (t * H + h) * D, k, D) : -INFINITY; \
+                        }                                                                                            \
                     }                                                                                                \
                 }                                                                                                    \
-            }                                                                                                        \
-            softmax_rows(scores, m, S);                                                                              \
-            memset(acc, 0, sizeof(float) * (size_t)(m * D));                                                         \
-            for (int64_t x = 0; x < S; x++) {                                                                        \
-                if (x + AHEAD < S) prefetch(pool + slots[x + AHEAD] * slot + KVH * D, KVH * D * (int64_t)sizeof(ACT)); \
-                const ACT *base = pool + slots[x] * slot + KVH * D;                                                  \
-                for (int64_t j = 0; j < KVH; j++) {                                                                  \
-                    const float *v = row_##SUF(base + j * D, row, D);                                                \
-                    for (int64_t t = 0; t < T; t++)                                                                  \
-                        for (int64_t h = j * group; h < (j + 1) * group; h++) {                                      \
-                            const float p = scores[(t * H + h) * S + x];                                             \
-                            if (p != 0.f) axpy_f32(acc + (t * H + h) * D, p, v, D);                                  \
-                        }                                                                                            \
+                softmax_rows(scores, m, S);                                                                          \
+                memset(acc, 0, sizeof(float) * (size_t)(m * D));                                                     \
+                for (int64_t x = 0; x < S; x++) {                                                                    \
+                    if (x + AHEAD < S)                                                                               \
+                        prefetch(pool + slots[x + AHEAD] * slot + KVH * D, KVH * D * (int64_t)sizeof(ACT));          \
+                    const ACT *base = pool + slots[x] * slot + KVH * D;                                              \
+                    for (int64_t j = 0; j < KVH; j++) {                                                              \
+                        const float *v = row_##SUF(base + j * D, row, D);                                            \
+                        for (int64_t t = 0; t < tc; t++)                                                             \
+                            for (int64_t h = j * group; h < (j + 1) * group; h++) {                                  \
+                                const float p = scores[(t * H + h) * S + x];                                         \
+                                if (p != 0.f) axpy_f32(acc + (t * H + h) * D, p, v, D);                              \
+                            }                                                                                        \
+                    }                                                                                                \
                 }                                                                                                    \
+                ACT *o = out + (b * T + t0) * H * D;                                                                 \
+                for (int64_t e = 0; e < m * D; e++) STORE(o + e, acc[e]);                                            \
             }                                                                                                        \
-            ACT *o = out + b * T * H * D;                                                                            \
-            for (int64_t e = 0; e < m * D; e++) STORE(o + e, acc[e]);                                                \
         }                                                                                                            \
         free(q);                                                                                                     \
     }

@@ -1,0 +1,216 @@
+/* Quantized matmuls over activations quantized per row and block: y = x · Wᵀ for fp32 rows x, each block of 32 of a
+ * row quantized to int8 with its own scale d_x (its largest |x| / 127: llama.cpp's Q8_0 activations), then integer
+ * dot products per block, scaled and summed in fp32. Two weight formats:
+ *
+ * - w8a8_gemm: int8 weights with one scale per output channel (--dtype w8a8 on CPUs without VNNI). The products use
+ *   the sign trick, |w| (u8, at most 127) times x with w's sign (s8), so a pair sums to at most 2 · 127 · 127 < 2^15
+ *   and all 8 bits stay (fbgemm keeps 7 there: its u8 x s8 pair sums would saturate int16).
+ * - q4_gemm: 4-bit codes q in 0..15 with a scale d and a minimum m per block of 32 inputs and output (the GGUF's Q4_1:
+ *   w = d · q + m, d and m in fp16; --dtype int4). Σ w·x over a block is d · d_x · Σ q·q(x) + m · d_x · Σ q(x).
+ *
+ * Why. fbgemm's dynamic linear quantizes a call's rows with one scale, so a row's result depends on the rows beside
+ * it; torch's int4 kernel takes bf16 activations. Here a row's arithmetic is its own, in a fixed order (the plain-C
+ * forms round as the AVX2 ones do), so its output is bit for bit the same whatever rows share the call: with the
+ * kernels' attention, a forward is batch-invariant, and SD and SSD equal the dtype's own AR token for token.
+ *
+ * Layout, packed at load and zero-padded: [n8 = ceil(N/8)][k32 = ceil(K/32)][8 outputs][32 inputs] int8 for w8a8;
+ * for q4, codes [n8][k32][8 outputs][16 bytes] (byte i: input i in its low nibble, input 16 + i in its high one) and
+ * scales [n8][k32][2][8 outputs] fp16 (d, then m). A step of 32 inputs over 8 outputs reads contiguous bytes, and a
+ * decode step streams each matrix once: memory-bound at one row; each further row costs its integer multiplies.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_SIMD 1
+#else
+#define QUANT_SIMD 0
+#endif
+
+/* How far ahead of the current step a row asks for the weight's bytes. */
+#define W_AHEAD 1024
+
+/* Whether the kernels were built with AVX2, FMA and F16C (else they are the plain C loops: the same floats, several
+ * times slower). */
+int quant_simd(void) { return QUANT_SIMD; }
+
+/* Row x (k values) as int8 in q (kp >= k values, zero tail), with a scale per block of 32 in d (max|x| / 127 over the
+ * block) and each block's d · Σ q in sums. One scale per block keeps a few large channels from
+ * coarsening the rest. */
+static void quantize_row(const float *restrict x, int8_t *restrict q, float *restrict d, float *restrict sums,
+                         int64_t k, int64_t kp) {
+    memset(q, 0, (size_t)kp);
+    for (int64_t b = 0; b < kp / 32; b++) {
+        const int64_t lo = 32 * b, hi = lo + 32 < k ? lo + 32 : k;
+        float top = 0.f;
+        for (int64_t i = lo; i < hi; i++) top = fmaxf(top, fabsf(x[i]));
+        const float inv = top > 0.f ? 127.f / top : 0.f;
+        int32_t total = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            q[i] = (int8_t)nearbyintf(x[i] * inv);
+            total += q[i];
+        }
+        d[b] = top / 127.f;
+        sums[b] = d[b] * (float)total;
+    }
+}
+
+/* The sum of 8 lanes, in the order the AVX2 form adds them: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+static inline float sum_lanes(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* IEEE half to float, exactly (for the plain-C form; F16C's conversion is exact too). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    const uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if QUANT_SIMD
+static inline void store_sums(const __m256 *acc, float *out) {
+    float lanes[8];
+    for (int j = 0; j < 8; j++) {
+        _mm256_storeu_ps(lanes, acc[j]);
+        out[j] = sum_lanes(lanes);
+    }
+}
+#endif
+
+/* w8a8: the 8 dot products of one quantized row (block scales d) with one packed block of 8 outputs (kp / 32
+ * steps). Lane l of a step holds the exact integer sum of inputs 4l .. 4l + 3; it is scaled by the block's d and
+ * added into the lane with one fused multiply-add, so both forms round identically. */
+static void dot_w8(const int8_t *restrict xq, const float *restrict d, const int8_t *restrict b, int64_t kp,
+                   float *restrict out) {
+#if QUANT_SIMD
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 32, b += 256) {
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)b + W_AHEAD + 64 * l, _MM_HINT_T0);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k));
+        const __m256 scale = _mm256_set1_ps(d[k / 32]);
+        for (int j = 0; j < 8; j++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[j]);
+        }
+    }
+    store_sums(acc, out);
+#else
+    for (int j = 0; j < 8; j++) {
+        float lanes[8] = {0.f};
+        for (int64_t k = 0; k < kp; k += 32)
+            for (int l = 0; l < 8; l++) {
+                int32_t s = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++) s += (int32_t)b[k * 8 + 32 * j + i] * (int32_t)xq[k + i];
+                lanes[l] = fmaf((float)s, d[k / 32], lanes[l]);
+            }
+        out[j] = sum_lanes(lanes);
+    }
+#endif
+}
+
+/* q4: the 8 dot products of one quantized row (block scales d, block sums s) with one block of 8 outputs' codes c
+ * and scales sc. Lane l of output j's step holds the integer Σ q·q(x) over inputs 4l .. 4l + 3, added with one
+ * fused multiply-add by d_w[j] · d_x; the minimums go into a lane per output, m[j] · s, also fused. */
+static void dot_q4(const int8_t *restrict xq, const float *restrict d, const float *restrict s,
+                   const uint8_t *restrict c, const uint16_t *restrict sc, int64_t kp, float *restrict out) {
+#if QUANT_SIMD
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    __m256 acc[8], mins = _mm256_setzero_ps();
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 32, c += 128, sc += 16) {
+        _mm_prefetch((const char *)c + W_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)c + W_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + W_AHEAD / 4, _MM_HINT_T0);
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k));
+        const __m256 dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc)),
+                                        _mm256_set1_ps(d[k / 32]));
+        mins = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8))), _mm256_set1_ps(s[k / 32]),
+                               mins);
+        for (int j = 0; j < 8; j++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * j));
+            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);
+            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            const __m256 scale = _mm256_permutevar8x32_ps(dw, _mm256_set1_epi32(j));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[j]);
+        }
+    }
+    float m[8];
+    _mm256_storeu_ps(m, mins);
+    store_sums(acc, out);
+    for (int j = 0; j < 8; j++) out[j] += m[j];
+#else
+    for (int j = 0; j < 8; j++) {
+        float lanes[8] = {0.f}, mins = 0.f;
+        for (int64_t k = 0; k < kp; k += 32) {
+            const uint8_t *cj = c + k * 4 + 16 * j;
+            const uint16_t *sk = sc + k / 2;
+            const float scale = half_to_float(sk[j]) * d[k / 32];
+            mins = fmaf(half_to_float(sk[8 + j]), s[k / 32], mins);
+            for (int l = 0; l < 8; l++) {
+                int32_t t = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++)
+                    t += (int32_t)(i < 16 ? cj[i] & 15 : cj[i - 16] >> 4) * (int32_t)xq[k + i];
+                lanes[l] = fmaf((float)t, scale, lanes[l]);
+            }
+        }
+        out[j] = sum_lanes(lanes) + mins;
+    }
+#endif
+}
+
+/* The rows of x quantized: codes [rows, kp], then block scales and block sums [rows, kp / 32] each (one buffer,
+ * freed by the caller). */
+static int8_t *quantize_rows(const float *x, int64_t rows, int64_t k, int64_t kp, float **d, float **s) {
+    const int64_t blocks = kp / 32;
+    float *buf = malloc(sizeof(float) * (size_t)(2 * rows * blocks) + (size_t)(rows * kp));
+    *d = buf;
+    *s = buf + rows * blocks;
+    int8_t *xq = (int8_t *)(buf + 2 * rows * blocks);
+    for (int64_t r = 0; r < rows; r++)
+        quantize_row(x + r * k, xq + r * kp, *d + r * blocks, *s + r * blocks, k, kp);
+    return xq;
+}
+
+/* y[r, n] = wscale[n] · Σ_b d_x[r, b] · (Σ_{k in b} q(x)[r, k] · w[n, k]) for `rows` rows of k inputs and n outputs;
+ * w packed as above, wscale zero-padded to a multiple of 8 entries. */
+void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, int64_t rows, int64_t k, int64_t n) {
+    const int64_t kp = (k + 31) / 32 * 32, blocks = kp / 32;
+    float *d, *s, out[8];
+    const int8_t *xq = quantize_rows(x, rows, k, kp, &d, &s);
+    for (int64_t c = 0; c < n; c += 8) {
+        const int64_t width = n - c < 8 ? n - c : 8;
+        for (int64_t r = 0; r < rows; r++) {
+            dot_w8(xq + r * kp, d + r * blocks, w + c * kp, kp, out);
+            for (int64_t j = 0; j < width; j++) y[r * n + c + j] = out[j] * wscale[c + j];
+        }
+    }
+    free(d);
+}
+
+/* y[r, n] = Σ_b (d[n, b] · d_x[r, b] · Σ_{k in b} q[n, k] · q(x)[r, k] + m[n, b] · d_x[r, b] · Σ_{k in b} q(x)[r, k])
+ * for `rows` rows of k inputs and n outputs; codes and scales packed as above. */
+void q4_gemm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int64_t rows, int64_t k,
+             int64_t n) {
+    const int64_t kp = (k + 31) / 32 * 32, blocks = kp / 32;
+    float *d, *s, out[8];
+    const int8_t *xq = quantize_rows(x, rows, k, kp, &d, &s);
+    for (int64_t c = 0; c < n; c += 8) {
+        const int64_t width = n - c < 8 ? n - c : 8;
+        for (int64_t r = 0; r < rows; r++) {
+            dot_q4(xq + r * kp, d + r * blocks, s + r * blocks, codes + c * kp / 2, scales + c * blocks * 2, kp, out);
+            for (int64_t j = 0; j < width; j++) y[r * n + c + j] = out[j];
+        }
+    }
+    free(d);
+}
