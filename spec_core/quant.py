@@ -13,6 +13,11 @@
   quantized linear: one activation scale per call, integer products on VNNI), with SmoothQuant scales calibrated at
   load (:mod:`spec_core.w8a8`); fp32 elsewhere, with a bf16 LM head.
 
+Where the CPU kernels run, int4 (:class:`RowInt4Weight`) and, on x86 without VNNI, w8a8 (:class:`RowW8A8Weight`)
+multiply through the compiled matmuls of ``kernels/quant_gemm.c`` instead: activations quantized to int8 per row
+and block of 32 (llama.cpp's Q8), integer products, and a fixed order of sums, so that a row's result never depends
+on the rows beside it.
+
 Embedding rows, norms, RoPE, attention, the KV cache and the logits stay in the compute dtype. Each format is a
 different numeric model from fp32, so its greedy agreement with fp32 is reported, never assumed; the fp32 runner
 stays the exactness reference.
