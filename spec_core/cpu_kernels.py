@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 #: The C sources of the one library: the decoder's small ops, and quantized matmuls over activations quantized per
 #: row and block.
 SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+         "-pthread")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
 #: decode, verify and draft steps); longer forwards (prefill chunks) keep torch's SDPA.
 MAX_TOKENS_PER_ROW = 32
@@ -140,19 +141,21 @@ class QuantGemm:
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._w8a8, self._q4 = lib.w8a8_gemm, lib.q4_gemm
         for f in (self._w8a8, self._q4):
-            f.argtypes = [p, p, p, p, i, i, i]
+            f.argtypes = [p, p, p, p, i, i, i, i]
             f.restype = None
 
     def w8a8(self, x: torch.Tensor, w) -> torch.Tensor:
+        """On torch's thread count (the split over outputs changes no result)."""
         y = x.new_empty(x.shape[0], w.out_features)
         self._w8a8(x.data_ptr(), w.packed.data_ptr(), w.scale.data_ptr(), y.data_ptr(), x.shape[0], w.in_features,
-                   w.out_features)
+                   w.out_features, torch.get_num_threads())
         return y
 
     def q4(self, x: torch.Tensor, w) -> torch.Tensor:
+        """On torch's thread count (the split over outputs changes no result)."""
         y = x.new_empty(x.shape[0], w.out_features)
         self._q4(x.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), y.data_ptr(), x.shape[0], w.in_features,
-                 w.out_features)
+                 w.out_features, torch.get_num_threads())
         return y
 
 

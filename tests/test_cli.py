@@ -57,11 +57,15 @@ def test_generate_greedy_modes_agree(toy_pair, dtype):
     runs = {"ar": ["--mode", "ar"], "sd": ["--mode", "sd"], "sd-fixed": ["--mode", "sd", "--fixed-k"],
             "ssd": ["--mode", "ssd", "--k", "3"],
             "ssd-fixed": ["--mode", "ssd", "--k", "3", "--fixed-k"]}
+    if dtype == "w8a8":  # for the suite's time: the planned modes only
+        runs = {name: flags for name, flags in runs.items() if "fixed" not in name}
     outs = {name: json.loads(ssd("generate", "--prompt", "def add(a, b):", *flags, "--max-new-tokens", "32",
                                  "--json", "--threads", "1", *pair).stdout) for name, flags in runs.items()}
     assert all(o["token_ids"] == outs["ar"]["token_ids"] for o in outs.values())
     # rounds that proposed nothing: planned plain, or a miss whose n-gram backup found no match
-    assert 0 <= outs["ssd"]["plain_round_fraction"] <= 1 and 0 <= outs["ssd-fixed"]["plain_round_fraction"] < 1
+    assert 0 <= outs["ssd"]["plain_round_fraction"] <= 1
+    if "ssd-fixed" in outs:
+        assert 0 <= outs["ssd-fixed"]["plain_round_fraction"] < 1
 
 
 def test_bad_model_path():

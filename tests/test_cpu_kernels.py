@@ -184,7 +184,7 @@ def _plain_c_kernels(tmp_path) -> cpu_kernels.QuantGemm:
 
     out = tmp_path / "plain.so"
     cc = shutil.which("cc") or shutil.which("gcc")
-    subprocess.run([cc, "-O2", "-march=x86-64", "-shared", "-fPIC", "-o", str(out),
+    subprocess.run([cc, "-O2", "-march=x86-64", "-shared", "-fPIC", "-pthread", "-o", str(out),
                     str(cpu_kernels.SOURCES[1]), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.quant_simd.restype = ctypes.c_int
@@ -252,3 +252,27 @@ def test_q4_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(
     torch_q4 = quantize(w_t, "int4")
     dense = matmul(x, torch_q4)
     assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
+def test_quantized_matmuls_on_more_threads_give_the_same_floats():
+    """The kernels split a call's outputs over torch's thread count; each output's arithmetic stays its own."""
+    from spec_core.quant import matmul, pack_q4_rows, pack_w8a8_rows
+
+    gen = torch.Generator().manual_seed(2)
+    kernels = cpu_kernels.quant_gemm()
+    w_t = torch.randn(576, 1000, generator=gen)
+    weights = (pack_w8a8_rows(w_t, kernels.w8a8), pack_q4_rows(w_t, kernels.q4))
+    x = torch.randn(3, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in (1, 2, 3, 1, 2):  # workers started, reused, and more of them than cores
+            torch.set_num_threads(threads)
+            outs.setdefault(threads, []).append([matmul(x, w) for w in weights])
+    finally:
+        torch.set_num_threads(before)
+    ref = outs[1][0]
+    for runs in outs.values():
+        for got in runs:
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -19,6 +19,8 @@
  * decode step streams each matrix once: memory-bound at one row; each further row costs its integer multiplies.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,35 +184,168 @@ static int8_t *quantize_rows(const float *x, int64_t rows, int64_t k, int64_t kp
     return xq;
 }
 
-/* y[r, n] = wscale[n] · Σ_b d_x[r, b] · (Σ_{k in b} q(x)[r, k] · w[n, k]) for `rows` rows of k inputs and n outputs;
- * w packed as above, wscale zero-padded to a multiple of 8 entries. */
-void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, int64_t rows, int64_t k, int64_t n) {
-    const int64_t kp = (k + 31) / 32 * 32, blocks = kp / 32;
-    float *d, *s, out[8];
-    const int8_t *xq = quantize_rows(x, rows, k, kp, &d, &s);
-    for (int64_t c = 0; c < n; c += 8) {
-        const int64_t width = n - c < 8 ? n - c : 8;
-        for (int64_t r = 0; r < rows; r++) {
-            dot_w8(xq + r * kp, d + r * blocks, w + c * kp, kp, out);
-            for (int64_t j = 0; j < width; j++) y[r * n + c + j] = out[j] * wscale[c + j];
+/* ---- Threads: a call's output blocks split across `threads` threads (the caller's and threads - 1 workers). ----
+ * Each output's arithmetic is the same whichever thread computes it, so the split changes no result. Workers are
+ * started on first use and kept; between calls they spin briefly (a decode step's matmuls come microseconds apart),
+ * then sleep on a condition variable. One caller at a time (calls are serialized by `pool.call`). */
+
+typedef void (*task_fn)(const void *job, int64_t begin, int64_t end);
+
+#define MAX_WORKERS 63
+#define SPIN 4000
+
+static struct {
+    pthread_mutex_t mu, call;
+    pthread_cond_t wake, done;
+    int workers;
+    atomic_ulong gen;
+    atomic_int pending;
+    task_fn fn;
+    const void *job;
+    int64_t blocks;
+    int parts;
+    unsigned long start[MAX_WORKERS + 1]; /* the generation each worker was started at: its first job is the next */
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .call = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
+          .done = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if QUANT_SIMD
+    _mm_pause();
+#endif
+}
+
+static void run_part(int part) {
+    const int64_t per = (pool.blocks + pool.parts - 1) / pool.parts, begin = part * per;
+    const int64_t end = begin + per < pool.blocks ? begin + per : pool.blocks;
+    if (begin < end) pool.fn(pool.job, begin, end);
+}
+
+static void *worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    unsigned long seen = pool.start[id];
+    for (;;) {
+        for (int i = 0; i < SPIN && atomic_load(&pool.gen) == seen; i++) cpu_relax();
+        if (atomic_load(&pool.gen) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.gen); /* every worker counts itself done, so no call starts before all have seen it */
+        if (id < pool.parts) run_part(id);
+        if (atomic_fetch_sub(&pool.pending, 1) == 1) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
         }
     }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: it starts its own if it needs them. */
+static void pool_after_fork(void) {
+    pool.workers = 0;
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+}
+
+/* fn over blocks [0, blocks), split into `threads` contiguous parts (fewer where there are fewer blocks). */
+static void run_blocks(task_fn fn, const void *job, int64_t blocks, int64_t threads) {
+    int parts = (int)(threads < blocks ? threads : blocks);
+    if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
+    if (parts <= 1) {
+        fn(job, 0, blocks);
+        return;
+    }
+    pthread_mutex_lock(&pool.call);
+    if (pool.workers == 0) pthread_atfork(NULL, NULL, pool_after_fork);
+    while (pool.workers < parts - 1) {
+        pthread_t t;
+        pool.start[pool.workers + 1] = atomic_load(&pool.gen);
+        if (pthread_create(&t, NULL, worker, (void *)(intptr_t)(pool.workers + 1)) != 0) break;
+        pthread_detach(t);
+        pool.workers++;
+    }
+    if (parts > pool.workers + 1) parts = pool.workers + 1;
+    pool.fn = fn;
+    pool.job = job;
+    pool.blocks = blocks;
+    pool.parts = parts;
+    atomic_store(&pool.pending, pool.workers);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.gen, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    run_part(0);
+    for (int i = 0; i < SPIN && atomic_load(&pool.pending) > 0; i++) cpu_relax();
+    if (atomic_load(&pool.pending) > 0) {
+        pthread_mutex_lock(&pool.mu);
+        while (atomic_load(&pool.pending) > 0) pthread_cond_wait(&pool.done, &pool.mu);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* ---- The two matmuls. ---- */
+
+typedef struct {
+    const int8_t *xq, *w;
+    const uint8_t *codes;
+    const uint16_t *scales;
+    const float *d, *s, *wscale;
+    float *y;
+    int64_t rows, kp, n;
+} gemm_job;
+
+static void w8a8_blocks(const void *arg, int64_t begin, int64_t end) {
+    const gemm_job *g = arg;
+    const int64_t blocks = g->kp / 32;
+    float out[8];
+    for (int64_t c = 8 * begin; c < 8 * end && c < g->n; c += 8) {
+        const int64_t width = g->n - c < 8 ? g->n - c : 8;
+        for (int64_t r = 0; r < g->rows; r++) {
+            dot_w8(g->xq + r * g->kp, g->d + r * blocks, g->w + c * g->kp, g->kp, out);
+            for (int64_t j = 0; j < width; j++) g->y[r * g->n + c + j] = out[j] * g->wscale[c + j];
+        }
+    }
+}
+
+static void q4_blocks(const void *arg, int64_t begin, int64_t end) {
+    const gemm_job *g = arg;
+    const int64_t blocks = g->kp / 32;
+    float out[8];
+    for (int64_t c = 8 * begin; c < 8 * end && c < g->n; c += 8) {
+        const int64_t width = g->n - c < 8 ? g->n - c : 8;
+        for (int64_t r = 0; r < g->rows; r++) {
+            dot_q4(g->xq + r * g->kp, g->d + r * blocks, g->s + r * blocks, g->codes + c * g->kp / 2,
+                   g->scales + c * blocks * 2, g->kp, out);
+            for (int64_t j = 0; j < width; j++) g->y[r * g->n + c + j] = out[j];
+        }
+    }
+}
+
+/* y[r, n] = wscale[n] · Σ_b d_x[r, b] · (Σ_{k in b} q(x)[r, k] · w[n, k]) for `rows` rows of k inputs and n outputs;
+ * w packed as above, wscale zero-padded to a multiple of 8 entries; on `threads` threads. */
+void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, int64_t rows, int64_t k, int64_t n,
+               int64_t threads) {
+    gemm_job g = {.w = w, .wscale = wscale, .y = y, .rows = rows, .kp = (k + 31) / 32 * 32, .n = n};
+    float *d, *s;
+    g.xq = quantize_rows(x, rows, k, g.kp, &d, &s);
+    g.d = d;
+    run_blocks(w8a8_blocks, &g, (n + 7) / 8, threads);
     free(d);
 }
 
 /* y[r, n] = Σ_b (d[n, b] · d_x[r, b] · Σ_{k in b} q[n, k] · q(x)[r, k] + m[n, b] · d_x[r, b] · Σ_{k in b} q(x)[r, k])
- * for `rows` rows of k inputs and n outputs; codes and scales packed as above. */
+ * for `rows` rows of k inputs and n outputs; codes and scales packed as above; on `threads` threads. */
 void q4_gemm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int64_t rows, int64_t k,
-             int64_t n) {
-    const int64_t kp = (k + 31) / 32 * 32, blocks = kp / 32;
-    float *d, *s, out[8];
-    const int8_t *xq = quantize_rows(x, rows, k, kp, &d, &s);
-    for (int64_t c = 0; c < n; c += 8) {
-        const int64_t width = n - c < 8 ? n - c : 8;
-        for (int64_t r = 0; r < rows; r++) {
-            dot_q4(xq + r * kp, d + r * blocks, s + r * blocks, codes + c * kp / 2, scales + c * blocks * 2, kp, out);
-            for (int64_t j = 0; j < width; j++) y[r * n + c + j] = out[j];
-        }
-    }
+             int64_t n, int64_t threads) {
+    gemm_job g = {.codes = codes, .scales = scales, .y = y, .rows = rows, .kp = (k + 31) / 32 * 32, .n = n};
+    float *d, *s;
+    g.xq = quantize_rows(x, rows, k, g.kp, &d, &s);
+    g.d = d;
+    g.s = s;
+    run_blocks(q4_blocks, &g, (n + 7) / 8, threads);
     free(d);
 }
