@@ -298,28 +298,21 @@ typedef struct {
     int64_t rows, kp, n;
 } gemm_job;
 
-static void w8a8_blocks(const void *arg, int64_t begin, int64_t end) {
+/* Output blocks [begin, end) of a job, every row: w8a8's where the job has int8 weights, else q4's. */
+static void gemm_blocks(const void *arg, int64_t begin, int64_t end) {
     const gemm_job *g = arg;
     const int64_t blocks = g->kp / 32;
     float out[8];
     for (int64_t c = 8 * begin; c < 8 * end && c < g->n; c += 8) {
         const int64_t width = g->n - c < 8 ? g->n - c : 8;
         for (int64_t r = 0; r < g->rows; r++) {
-            dot_w8(g->xq + r * g->kp, g->d + r * blocks, g->w + c * g->kp, g->kp, out);
-            for (int64_t j = 0; j < width; j++) g->y[r * g->n + c + j] = out[j] * g->wscale[c + j];
-        }
-    }
-}
-
-static void q4_blocks(const void *arg, int64_t begin, int64_t end) {
-    const gemm_job *g = arg;
-    const int64_t blocks = g->kp / 32;
-    float out[8];
-    for (int64_t c = 8 * begin; c < 8 * end && c < g->n; c += 8) {
-        const int64_t width = g->n - c < 8 ? g->n - c : 8;
-        for (int64_t r = 0; r < g->rows; r++) {
-            dot_q4(g->xq + r * g->kp, g->d + r * blocks, g->s + r * blocks, g->codes + c * g->kp / 2,
-                   g->scales + c * blocks * 2, g->kp, out);
+            if (g->w) {
+                dot_w8(g->xq + r * g->kp, g->d + r * blocks, g->w + c * g->kp, g->kp, out);
+                for (int64_t j = 0; j < width; j++) out[j] *= g->wscale[c + j];
+            } else {
+                dot_q4(g->xq + r * g->kp, g->d + r * blocks, g->s + r * blocks, g->codes + c * g->kp / 2,
+                       g->scales + c * blocks * 2, g->kp, out);
+            }
             for (int64_t j = 0; j < width; j++) g->y[r * g->n + c + j] = out[j];
         }
     }
@@ -333,7 +326,7 @@ void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, i
     float *d, *s;
     g.xq = quantize_rows(x, rows, k, g.kp, &d, &s);
     g.d = d;
-    run_blocks(w8a8_blocks, &g, (n + 7) / 8, threads);
+    run_blocks(gemm_blocks, &g, (n + 7) / 8, threads);
     free(d);
 }
 
@@ -346,6 +339,6 @@ void q4_gemm(const float *x, const uint8_t *codes, const uint16_t *scales, float
     g.xq = quantize_rows(x, rows, k, g.kp, &d, &s);
     g.d = d;
     g.s = s;
-    run_blocks(q4_blocks, &g, (n + 7) / 8, threads);
+    run_blocks(gemm_blocks, &g, (n + 7) / 8, threads);
     free(d);
 }
