@@ -50,7 +50,8 @@ def new_token_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
     """``[T, T]`` bool: causal among pending tokens; each node sees all pending tokens, itself and its ancestors."""
     t = num_pending + len(parents)
     mask = torch.zeros(t, t, dtype=torch.bool)
-    mask[:num_pending, :num_pending] = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
+    causal = torch.arange(num_pending)
+    mask[:num_pending, :num_pending] = causal[:, None] >= causal  # not .tril(): an OpenMP region at any size
     for i, parent in enumerate(parents):
         row = num_pending + i
         mask[row, :num_pending] = True

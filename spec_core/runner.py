@@ -187,6 +187,12 @@ class ModelRunner:
         self.batch_invariant = self.kernels is not None and all(
             isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in self.weight_matrices())
 
+    def kernel_threads(self) -> contextlib.AbstractContextManager:
+        """Where every matmul is the compiled kernels' (:attr:`batch_invariant`), torch's ops run on one thread
+        inside the block and the kernels on torch's thread count (:func:`cpu_kernels.torch_ops_on_one_thread`);
+        elsewhere nothing changes. The engine holds it over a step's forward and verification."""
+        return cpu_kernels.torch_ops_on_one_thread() if self.batch_invariant else contextlib.nullcontext()
+
     def _head(self, raw: dict[str, torch.Tensor], place) -> Weight:
         """The LM head (the embedding where tied), cut to the draft's token map where it has one."""
         head_raw = raw.pop("lm_head.weight", None)
@@ -318,7 +324,8 @@ class ModelRunner:
         """Run a packed ragged batch over a paged cache (see :class:`PagedBatch`). Returns fp32 logits."""
         bsz, t = batch.input_ids.shape
         if self.kernels is not None and (t <= cpu_kernels.MAX_TOKENS_PER_ROW or self.batch_invariant):
-            return self._logits(cpu_kernels.run_paged(self, cache, batch), batch.logits_index)
+            with self.kernel_threads():
+                return self._logits(cpu_kernels.run_paged(self, cache, batch), batch.logits_index)
         write = batch.write_slots.reshape(-1)
         flat_kv = batch.kv_slots.reshape(-1)
 

@@ -276,3 +276,22 @@ def test_quantized_matmuls_on_more_threads_give_the_same_floats():
     for runs in outs.values():
         for got in runs:
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_torch_ops_on_one_thread_keeps_the_kernels_thread_count():
+    """Inside the block torch runs on one thread and the compiled matmuls on torch's count from before; nesting
+    changes nothing, and leaving restores torch's count."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with cpu_kernels.torch_ops_on_one_thread():
+            assert (torch.get_num_threads(), cpu_kernels.gemm_threads()) == (1, 2)
+            with cpu_kernels.torch_ops_on_one_thread():
+                assert (torch.get_num_threads(), cpu_kernels.gemm_threads()) == (1, 2)
+            assert (torch.get_num_threads(), cpu_kernels.gemm_threads()) == (1, 2)
+        assert (torch.get_num_threads(), cpu_kernels.gemm_threads()) == (2, 2)
+        torch.set_num_threads(1)
+        with cpu_kernels.torch_ops_on_one_thread():
+            assert (torch.get_num_threads(), cpu_kernels.gemm_threads()) == (1, 1)
+    finally:
+        torch.set_num_threads(before)

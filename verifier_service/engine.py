@@ -201,6 +201,14 @@ class VerifierEngine:
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
+        with self.runner.kernel_threads():
+            finished = self._verify_step(work, items, chosen)
+        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before)
+        return finished
+
+    def _verify_step(self, work: list[ScheduledSeq], items: list[WorkItem], chosen: list[TokenTree | None]
+                     ) -> list[Sequence]:
+        """The forward over ``items``, then each request's verification, K/V moves and finishing."""
         with DeviceTimer(self.runner.device) as timer:  # CUDA events on a GPU: kernel time, not launch time
             logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
         argmax = to_host(logits.argmax(-1))
@@ -222,7 +230,6 @@ class VerifierEngine:
         self.cache.copy_slots(*moves)  # before any block is handed out again (next step's schedule)
         for seq in finished:
             self._finish(seq)
-        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before)
         return finished
 
     def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int,
