@@ -40,9 +40,9 @@ from spec_core.quant import matmul
 
 logger = logging.getLogger(__name__)
 
-#: The C sources of the one library: the decoder's small ops, and quantized matmuls over activations quantized per
-#: row and block.
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c"))
+#: The C sources of the one library: the decoder's small ops, quantized matmuls over activations quantized per row
+#: and block, and the decoder stack in one call over both.
+SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c", "decoder.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-pthread")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
@@ -220,6 +220,74 @@ def load(dtype: torch.dtype) -> DecodeKernels | None:
     return None if lib is None else DecodeKernels(lib, dtype)
 
 
+class QMat(ctypes.Structure):
+    """``decoder.c``'s ``qmat``: one packed matrix (kind 0: w8a8, 1: q4)."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("kind", ctypes.c_int64), ("in_", ctypes.c_int64),
+                ("out", ctypes.c_int64)]
+
+
+class QLayer(ctypes.Structure):
+    """``decoder.c``'s ``qlayer``: one layer's norms, optional QKV bias and four matrices."""
+
+    _fields_ = [("ln_attn", ctypes.c_void_p), ("ln_mlp", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("qkv", QMat), ("o", QMat), ("gate_up", QMat), ("down", QMat)]
+
+
+class FusedDecoder:
+    """``decoder.c``: every layer of a runner whose matrices are all the compiled matmuls' (fp32 activations), in
+    one call per forward. The descriptors point into the runner's own tensors, which outlive it."""
+
+    def __init__(self, lib: ctypes.CDLL, layers) -> None:
+        from spec_core.quant import RowW8A8Weight
+
+        def mat(w) -> QMat:
+            if isinstance(w, RowW8A8Weight):
+                return QMat(w.packed.data_ptr(), w.scale.data_ptr(), 0, w.in_features, w.out_features)
+            return QMat(w.codes.data_ptr(), w.scales.data_ptr(), 1, w.in_features, w.out_features)
+
+        self._kept: list[torch.Tensor] = []  # contiguous fp32 copies where a vector is not already one
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self._kept.append(t.float().contiguous())
+            return self._kept[-1].data_ptr()
+
+        self.layers = (QLayer * len(layers))(*(
+            QLayer(ptr(layer.ln_attn.weight), ptr(layer.ln_mlp.weight), ptr(layer.qkv_bias), mat(layer.qkv),
+                   mat(layer.o), mat(layer.gate_up), mat(layer.down)) for layer in layers))
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._run = lib.decoder_layers_f32
+        self._run.argtypes = [p, p, i, ctypes.c_float, p, p, p, p, i, p, p, p, i, i, i, i, i, i, i]
+        self._run.restype = ctypes.c_int
+
+    def run(self, runner, cache, batch, h: torch.Tensor, positions: torch.Tensor) -> None:
+        """Every layer over ``h [B · T, hidden]``, in place (the contract of :func:`run_paged`)."""
+        spec, pool, mask = runner.spec, cache.kv, batch.attn_mask
+        bsz, s = batch.kv_slots.shape
+        rc = self._run(h.data_ptr(), self.layers, len(self.layers), spec.rms_norm_eps, runner.rope_f32[0].data_ptr(),
+                       runner.rope_f32[1].data_ptr(), positions.data_ptr(), pool.data_ptr(), pool.stride(0),
+                       batch.write_slots.data_ptr(), batch.kv_slots.data_ptr(),
+                       None if mask is None else mask.data_ptr(), bsz, h.shape[0] // bsz, s, spec.num_heads,
+                       spec.num_kv_heads, spec.head_dim, gemm_threads())
+        if rc != 0:
+            raise MemoryError("the fused decoder could not allocate its buffers")
+
+
+def fused_decoder(runner) -> FusedDecoder | None:
+    """The one-call decoder for ``runner`` where it applies: fp32 activations, the kernels loaded, and every layer
+    matrix one of the compiled matmuls'."""
+    from spec_core.quant import RowInt4Weight, RowW8A8Weight
+
+    lib = _library()
+    mats = [m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if (lib is None or runner.kernels is None or runner.dtype != torch.float32 or runner.spec.qk_norm
+            or not all(isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in mats)):
+        return None
+    return FusedDecoder(lib, runner.layers)
+
+
 def run_paged(runner, cache, batch) -> torch.Tensor:
     """The decoder stack of :meth:`ModelRunner.forward_paged` through ``runner.kernels``: the final hidden states
     ``[B, T, hidden]`` (before the final norm). Same contract as the torch path: every new token's K/V is written
@@ -231,6 +299,9 @@ def run_paged(runner, cache, batch) -> torch.Tensor:
     attn = h.new_empty(bsz * t, runner.q_size)
     pool = cache.kv
     base, stride = pool.data_ptr(), pool.stride(0) * pool.element_size()
+    if runner.fused is not None:
+        runner.fused.run(runner, cache, batch, h, positions)
+        return h.view(bsz, t, -1)
     heads, eps = (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     for li, layer in enumerate(runner.layers):
         qkv = matmul(k.rms_norm(h, layer.ln_attn.weight, eps), layer.qkv, layer.qkv_bias)

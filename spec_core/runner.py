@@ -186,6 +186,8 @@ class ModelRunner:
         #: equal this runner's own AR token for token, as they equal transformers' in fp32.
         self.batch_invariant = self.kernels is not None and all(
             isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in self.weight_matrices())
+        #: Every layer in one compiled call per forward (:class:`cpu_kernels.FusedDecoder`), where it applies.
+        self.fused = cpu_kernels.fused_decoder(self) if self.batch_invariant else None
 
     def kernel_threads(self) -> contextlib.AbstractContextManager:
         """Where every matmul is the compiled kernels' (:attr:`batch_invariant`), torch's ops run on one thread

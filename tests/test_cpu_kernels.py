@@ -104,6 +104,39 @@ def test_runner_forward_through_the_kernels_matches_its_torch_path(toy_pair):
     assert torch.allclose(caches[0].kv, caches[1].kv, atol=1e-5)
 
 
+@pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
+@pytest.mark.parametrize("weights", ["int4", "w8a8"])
+def test_the_one_call_decoder_computes_the_op_by_op_floats(toy_pair, weights):
+    """``decoder.c`` runs every layer in one call: a prefill, a decode row and a tree row give the op-by-op path's
+    logits and K/V bit for bit, on one thread and on two."""
+    from spec_core import w8a8
+    from spec_core.packing import WorkItem, pack
+    from spec_core.runner import ModelRunner
+
+    if weights == "w8a8" and not w8a8.w8a8_reduce_range():
+        pytest.skip("w8a8 takes fbgemm on VNNI CPUs")
+    runner = ModelRunner(toy_pair["target"], weights=weights)
+    fused = runner.fused
+    assert fused is not None and runner.batch_invariant
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, runner.vocab_size, (50,), generator=gen).tolist()
+    items = [[WorkItem([], ids[:40], list(range(40)), list(range(40)), 40, [], list(range(40)))],
+             [WorkItem(list(range(40)), ids[40:41], [40], [40], 1, [], [0])],
+             [WorkItem(list(range(41)), ids[41:46], [41, 42, 42, 43, 43], list(range(41, 46)), 1, [0, 0, 1, 2],
+                       list(range(5)))]]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for runner.fused, threads in ((None, 1), (fused, 1), (fused, 2)):
+            torch.set_num_threads(threads)
+            cache = runner.new_paged_cache(8, 16)
+            outs.append([runner.forward_paged(cache, pack(it, cache.scratch_slot)) for it in items] + [cache.kv])
+    finally:
+        torch.set_num_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
 def test_which_runners_use_the_kernels(toy_pair):
     from spec_core.runner import ModelRunner
 
