@@ -33,6 +33,8 @@
 
 /* How far ahead of the current step a row asks for the weight's bytes. */
 #define W_AHEAD 1024
+/* The most rows q4 multiplies per unpacking of a block's codes. */
+#define ROW_GROUP 8
 
 /* Whether the kernels were built with AVX2, FMA and F16C (else they are the plain C loops: the same floats, several
  * times slower). */
@@ -59,11 +61,6 @@ static void quantize_row(const float *restrict x, int8_t *restrict q, float *res
     }
 }
 
-/* The sum of 8 lanes, in the order the AVX2 form adds them: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
-static inline float sum_lanes(const float *l) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
 /* IEEE half to float, exactly (for the plain-C form; F16C's conversion is exact too). */
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -78,58 +75,58 @@ static inline float half_to_float(uint16_t h) {
 }
 
 #if QUANT_SIMD
-static inline void store_sums(const __m256 *acc, float *out) {
-    float lanes[8];
-    for (int j = 0; j < 8; j++) {
-        _mm256_storeu_ps(lanes, acc[j]);
-        out[j] = sum_lanes(lanes);
-    }
+/* Lane j: the sum of v[j]'s 8 int32 lanes (exact: a block's integer dot product is at most 32 · 127 · 127). */
+static inline __m256i sum_each(const __m256i *v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 #endif
 
 /* w8a8: the 8 dot products of one quantized row (block scales d) with one packed block of 8 outputs (kp / 32
- * steps). Lane l of a step holds the exact integer sum of inputs 4l .. 4l + 3; it is scaled by the block's d and
- * added into the lane with one fused multiply-add, so both forms round identically. */
+ * steps). Each output's step is the exact integer dot product of its 32 inputs, scaled by the block's d and added
+ * into the output's lane with one fused multiply-add, so both forms round identically. */
 static void dot_w8(const int8_t *restrict xq, const float *restrict d, const int8_t *restrict b, int64_t kp,
                    float *restrict out) {
 #if QUANT_SIMD
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
+    __m256i dots[8];
     for (int64_t k = 0; k < kp; k += 32, b += 256) {
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)b + W_AHEAD + 64 * l, _MM_HINT_T0);
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k));
-        const __m256 scale = _mm256_set1_ps(d[k / 32]);
         for (int j = 0; j < 8; j++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * j));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[j]);
+            dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
         }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(dots)), _mm256_set1_ps(d[k / 32]), acc);
     }
-    store_sums(acc, out);
+    _mm256_storeu_ps(out, acc);
 #else
     for (int j = 0; j < 8; j++) {
-        float lanes[8] = {0.f};
-        for (int64_t k = 0; k < kp; k += 32)
-            for (int l = 0; l < 8; l++) {
-                int32_t s = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++) s += (int32_t)b[k * 8 + 32 * j + i] * (int32_t)xq[k + i];
-                lanes[l] = fmaf((float)s, d[k / 32], lanes[l]);
-            }
-        out[j] = sum_lanes(lanes);
+        float acc = 0.f;
+        for (int64_t k = 0; k < kp; k += 32) {
+            int32_t t = 0;
+            for (int i = 0; i < 32; i++) t += (int32_t)b[k * 8 + 32 * j + i] * (int32_t)xq[k + i];
+            acc = fmaf((float)t, d[k / 32], acc);
+        }
+        out[j] = acc;
     }
 #endif
 }
 
-/* q4: the 8 dot products of one quantized row (block scales d, block sums s) with one block of 8 outputs' codes c
- * and scales sc. Lane l of output j's step holds the integer Σ q·q(x) over inputs 4l .. 4l + 3, added with one
- * fused multiply-add by d_w[j] · d_x; the minimums go into a lane per output, m[j] · s, also fused. */
-static void dot_q4(const int8_t *restrict xq, const float *restrict d, const float *restrict s,
-                   const uint8_t *restrict c, const uint16_t *restrict sc, int64_t kp, float *restrict out) {
+/* q4: the 8 dot products of each of nr <= ROW_GROUP quantized rows (codes kp apart; block scales d and block sums s,
+ * kp / 32 apart) with one block of 8 outputs' codes c and scales sc, into out[nr][8]. Each step's codes are unpacked
+ * once for all the rows. Each output's step is the exact integer Σ q·q(x) over its 32 inputs, added with one fused
+ * multiply-add by d_w[j] · d_x into the output's lane; the minimums go into a second lane per output, m[j] · s, also
+ * fused; the two are added at the end. A row's arithmetic is the same whatever rows share its group. */
 #if QUANT_SIMD
+/* dot_q4 for one row: each code is unpacked where it is multiplied (fewer registers live; the same floats). */
+static void dot_q4_row(const int8_t *restrict xq, const float *restrict d, const float *restrict s,
+                       const uint8_t *restrict c, const uint16_t *restrict sc, int64_t kp, float *restrict out) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-    __m256 acc[8], mins = _mm256_setzero_ps();
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
+    __m256i dots[8];
     for (int64_t k = 0; k < kp; k += 32, c += 128, sc += 16) {
         _mm_prefetch((const char *)c + W_AHEAD, _MM_HINT_T0);
         _mm_prefetch((const char *)c + W_AHEAD + 64, _MM_HINT_T0);
@@ -142,32 +139,61 @@ static void dot_q4(const int8_t *restrict xq, const float *restrict d, const flo
         for (int j = 0; j < 8; j++) {
             const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * j));
             const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);
-            const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-            const __m256 scale = _mm256_permutevar8x32_ps(dw, _mm256_set1_epi32(j));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[j]);
+            dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(dots)), dw, acc);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc, mins));
+}
+#endif
+
+static void dot_q4(const int8_t *restrict xq, const float *restrict d, const float *restrict s, int64_t nr,
+                   const uint8_t *restrict c, const uint16_t *restrict sc, int64_t kp, float *restrict out) {
+    const int64_t blocks = kp / 32;
+#if QUANT_SIMD
+    if (nr == 1) {
+        dot_q4_row(xq, d, s, c, sc, kp, out);
+        return;
+    }
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    __m256 acc[ROW_GROUP], mins[ROW_GROUP];
+    __m256i w[8], dots[8];
+    for (int64_t r = 0; r < nr; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kp; k += 32, c += 128, sc += 16) {
+        _mm_prefetch((const char *)c + W_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)c + W_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)sc + W_AHEAD / 4, _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(c + 16 * j));
+            w[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low);
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));
+        for (int64_t r = 0; r < nr; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * kp + k));
+            mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[r * blocks + k / 32]), mins[r]);
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each(dots)),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(d[r * blocks + k / 32])), acc[r]);
         }
     }
-    float m[8];
-    _mm256_storeu_ps(m, mins);
-    store_sums(acc, out);
-    for (int j = 0; j < 8; j++) out[j] += m[j];
+    for (int64_t r = 0; r < nr; r++) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], mins[r]));
 #else
-    for (int j = 0; j < 8; j++) {
-        float lanes[8] = {0.f}, mins = 0.f;
-        for (int64_t k = 0; k < kp; k += 32) {
-            const uint8_t *cj = c + k * 4 + 16 * j;
-            const uint16_t *sk = sc + k / 2;
-            const float scale = half_to_float(sk[j]) * d[k / 32];
-            mins = fmaf(half_to_float(sk[8 + j]), s[k / 32], mins);
-            for (int l = 0; l < 8; l++) {
+    for (int64_t r = 0; r < nr; r++)
+        for (int j = 0; j < 8; j++) {
+            float acc = 0.f, mins = 0.f;
+            for (int64_t k = 0; k < kp; k += 32) {
+                const uint8_t *cj = c + k * 4 + 16 * j;
+                const uint16_t *sk = sc + k / 2;
+                const int8_t *xk = xq + r * kp + k;
+                const float scale = half_to_float(sk[j]) * d[r * blocks + k / 32];
+                mins = fmaf(half_to_float(sk[8 + j]), s[r * blocks + k / 32], mins);
                 int32_t t = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++)
-                    t += (int32_t)(i < 16 ? cj[i] & 15 : cj[i - 16] >> 4) * (int32_t)xq[k + i];
-                lanes[l] = fmaf((float)t, scale, lanes[l]);
+                for (int i = 0; i < 32; i++) t += (int32_t)(i < 16 ? cj[i] & 15 : cj[i - 16] >> 4) * (int32_t)xk[i];
+                acc = fmaf((float)t, scale, acc);
             }
+            out[8 * r + j] = acc + mins;
         }
-        out[j] = sum_lanes(lanes) + mins;
-    }
 #endif
 }
 
@@ -302,18 +328,22 @@ typedef struct {
 static void gemm_blocks(const void *arg, int64_t begin, int64_t end) {
     const gemm_job *g = arg;
     const int64_t blocks = g->kp / 32;
-    float out[8];
+    float out[8 * ROW_GROUP];
     for (int64_t c = 8 * begin; c < 8 * end && c < g->n; c += 8) {
         const int64_t width = g->n - c < 8 ? g->n - c : 8;
-        for (int64_t r = 0; r < g->rows; r++) {
+        for (int64_t r0 = 0; r0 < g->rows; r0 += ROW_GROUP) {
+            const int64_t nr = g->rows - r0 < ROW_GROUP ? g->rows - r0 : ROW_GROUP;
             if (g->w) {
-                dot_w8(g->xq + r * g->kp, g->d + r * blocks, g->w + c * g->kp, g->kp, out);
-                for (int64_t j = 0; j < width; j++) out[j] *= g->wscale[c + j];
+                for (int64_t r = 0; r < nr; r++) {
+                    dot_w8(g->xq + (r0 + r) * g->kp, g->d + (r0 + r) * blocks, g->w + c * g->kp, g->kp, out + 8 * r);
+                    for (int64_t j = 0; j < width; j++) out[8 * r + j] *= g->wscale[c + j];
+                }
             } else {
-                dot_q4(g->xq + r * g->kp, g->d + r * blocks, g->s + r * blocks, g->codes + c * g->kp / 2,
+                dot_q4(g->xq + r0 * g->kp, g->d + r0 * blocks, g->s + r0 * blocks, nr, g->codes + c * g->kp / 2,
                        g->scales + c * blocks * 2, g->kp, out);
             }
-            for (int64_t j = 0; j < width; j++) g->y[r * g->n + c + j] = out[j];
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t j = 0; j < width; j++) g->y[(r0 + r) * g->n + c + j] = out[8 * r + j];
         }
     }
 }
