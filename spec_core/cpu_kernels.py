@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from spec_core.model_paths import cache_dir
-from spec_core.quant import matmul
+from spec_core.quant import RowInt4Weight, RowW8A8Weight, matmul
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +239,6 @@ class FusedDecoder:
     one call per forward. The descriptors point into the runner's own tensors, which outlive it."""
 
     def __init__(self, lib: ctypes.CDLL, layers) -> None:
-        from spec_core.quant import RowW8A8Weight
-
         def mat(w) -> QMat:
             if isinstance(w, RowW8A8Weight):
                 return QMat(w.packed.data_ptr(), w.scale.data_ptr(), 0, w.in_features, w.out_features)
@@ -278,8 +276,6 @@ class FusedDecoder:
 def fused_decoder(runner) -> FusedDecoder | None:
     """The one-call decoder for ``runner`` where it applies: fp32 activations, the kernels loaded, and every layer
     matrix one of the compiled matmuls'."""
-    from spec_core.quant import RowInt4Weight, RowW8A8Weight
-
     lib = _library()
     mats = [m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     if (lib is None or runner.kernels is None or runner.dtype != torch.float32 or runner.spec.qk_norm
