@@ -141,7 +141,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
 
     name = resolve_dtype(dtype, device)
-    draft_name = resolve_dtype(draft_dtype(name), device)  # as every command loads the draft
+    draft_name = resolve_dtype(draft_dtype(name, cpu_kernels), device)  # as every command loads the draft
     on_cpu = torch.device(device).type == "cpu"
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None

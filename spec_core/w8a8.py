@@ -122,13 +122,20 @@ def smooth_layer(layer, amax: dict[str, torch.Tensor], spec, alpha: float = ALPH
     layer.gate_up[:, layer.gate_up.shape[1] // 2:] /= s[None, :]
 
 
-def row_gemm(runner):
-    """The compiled W8A8 matmul with a scale per row (:class:`spec_core.quant.RowW8A8Weight`) where ``runner`` uses
-    the CPU kernels and fbgemm would keep 7 bits of each activation (x86 without VNNI), else None (fbgemm)."""
+def row_kernel_available() -> bool:
+    """Whether a runner with the CPU kernels multiplies w8a8 through the compiled matmul: where it is built with
+    SIMD and fbgemm would keep 7 bits of each activation (x86 without VNNI)."""
     from spec_core import cpu_kernels
 
-    kernels = cpu_kernels.quant_gemm() if runner.kernels is not None and w8a8_reduce_range() else None
-    return None if kernels is None else kernels.w8a8
+    return w8a8_reduce_range() and cpu_kernels.quant_gemm() is not None
+
+
+def row_gemm(runner):
+    """The compiled W8A8 matmul with a scale per row (:class:`spec_core.quant.RowW8A8Weight`) where ``runner`` uses
+    the CPU kernels and :func:`row_kernel_available`, else None (fbgemm)."""
+    from spec_core import cpu_kernels
+
+    return cpu_kernels.quant_gemm().w8a8 if runner.kernels is not None and row_kernel_available() else None
 
 
 

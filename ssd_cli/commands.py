@@ -22,7 +22,8 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
     runner = {"pad_rows": not getattr(args, "no_pad_rows", False),
               "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
-    draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None) or draft_dtype(args.dtype),
+    draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None)
+                         or draft_dtype(args.dtype, runner["cpu_kernels"]),
                          device=args.device, **runner) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:

@@ -162,10 +162,13 @@ def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
             quantize_int4(bad)
 
 
-def test_weight_only_dtypes_keep_the_draft_in_float():
+def test_weight_only_dtypes_give_the_draft_int8_through_the_kernels_or_float():
+    from spec_core import w8a8
     from spec_core.config import draft_dtype, parse_dtype, weight_format
 
-    assert draft_dtype("int4") == draft_dtype("int8") == draft_dtype("w8a8") == "auto"
+    weight_draft = "w8a8" if w8a8.row_kernel_available() else "auto"  # int8 through the compiled kernels, else auto
+    assert draft_dtype("int4") == draft_dtype("int8") == draft_dtype("w8a8") == weight_draft
+    assert draft_dtype("int4", kernels=False) == "auto"
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
     assert str(parse_dtype("w8a8")) == "torch.float32" and weight_format("w8a8") == "w8a8"
