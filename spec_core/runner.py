@@ -230,6 +230,9 @@ class ModelRunner:
 
         from spec_core import w8a8
 
+        if not any((self.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"dtype w8a8 calibrates on the model's own text, and {self.path} has no tokenizer "
+                             "(for a draft, --draft-dtype auto keeps it in float)")
         w8a8.convert(self, w8a8.calibration_ids(AutoTokenizer.from_pretrained(str(self.path))), gemm=w8a8.row_gemm(self))
 
     @property

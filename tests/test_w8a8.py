@@ -119,3 +119,16 @@ def test_w8a8_without_the_kernels_is_fbgemms(toy_pair):
 
     runner = ModelRunner(toy_pair["target"], weights="w8a8", kernels=False)
     assert isinstance(runner.layers[0].qkv, W8A8Weight) and not runner.batch_invariant
+
+
+def test_w8a8_without_a_tokenizer_to_calibrate_on_says_so(toy_pair, tmp_path):
+    """A model folder with no tokenizer (a bare draft) cannot be calibrated: one clear error, not a traceback from
+    transformers."""
+    import shutil
+
+    from spec_core.runner import ModelRunner
+
+    bare = tmp_path / "bare"
+    shutil.copytree(toy_pair["target"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        ModelRunner(bare, weights="w8a8")
