@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from spec_core.model_paths import cache_dir
-from spec_core.quant import RowInt4Weight, RowW8A8Weight, matmul
+from spec_core.quant import RowW8A8Weight, matmul
 
 logger = logging.getLogger(__name__)
 
@@ -274,14 +274,11 @@ class FusedDecoder:
 
 
 def fused_decoder(runner) -> FusedDecoder | None:
-    """The one-call decoder for ``runner`` where it applies: fp32 activations, the kernels loaded, and every layer
-    matrix one of the compiled matmuls'."""
-    lib = _library()
-    mats = [m for layer in runner.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if (lib is None or runner.kernels is None or runner.dtype != torch.float32 or runner.spec.qk_norm
-            or not all(isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in mats)):
+    """The one-call decoder for ``runner`` where it applies: a batch-invariant runner (the kernels loaded, so no q/k
+    norms, and every matrix one of the compiled matmuls') with fp32 activations."""
+    if not runner.batch_invariant or runner.dtype != torch.float32:
         return None
-    return FusedDecoder(lib, runner.layers)
+    return FusedDecoder(_library(), runner.layers)
 
 
 def run_paged(runner, cache, batch) -> torch.Tensor:
@@ -292,12 +289,12 @@ def run_paged(runner, cache, batch) -> torch.Tensor:
     bsz, t = batch.input_ids.shape
     h = torch.nn.functional.embedding(batch.input_ids.reshape(-1), runner.embed)
     positions = batch.positions.reshape(-1).contiguous()
-    attn = h.new_empty(bsz * t, runner.q_size)
-    pool = cache.kv
-    base, stride = pool.data_ptr(), pool.stride(0) * pool.element_size()
     if runner.fused is not None:
         runner.fused.run(runner, cache, batch, h, positions)
         return h.view(bsz, t, -1)
+    attn = h.new_empty(bsz * t, runner.q_size)
+    pool = cache.kv
+    base, stride = pool.data_ptr(), pool.stride(0) * pool.element_size()
     heads, eps = (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     for li, layer in enumerate(runner.layers):
         qkv = matmul(k.rms_norm(h, layer.ln_attn.weight, eps), layer.qkv, layer.qkv_bias)

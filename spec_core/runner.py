@@ -187,7 +187,7 @@ class ModelRunner:
         self.batch_invariant = self.kernels is not None and all(
             isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in self.weight_matrices())
         #: Every layer in one compiled call per forward (:class:`cpu_kernels.FusedDecoder`), where it applies.
-        self.fused = cpu_kernels.fused_decoder(self) if self.batch_invariant else None
+        self.fused = cpu_kernels.fused_decoder(self)
 
     def kernel_threads(self) -> contextlib.AbstractContextManager:
         """Where every matmul is the compiled kernels' (:attr:`batch_invariant`), torch's ops run on one thread
