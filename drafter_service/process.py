@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -61,6 +62,12 @@ class PipeLink:
         self.bytes_sent = 0
         self._closed = False  # the other end is gone (EOF or a broken pipe seen)
         self._pending: bytes | None = None
+        # A poll(0) through Connection.poll builds a selector each call (about 50 us, every engine step): one
+        # registered poll object answers it in a few.
+        self._poller = None
+        if hasattr(select, "poll"):
+            self._poller = select.poll()
+            self._poller.register(conn.fileno(), select.POLLIN)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name="pipe-writer", daemon=True)
         self._writer.start()
@@ -93,7 +100,10 @@ class PipeLink:
         if self._closed:
             return False
         try:
-            if not self.conn.poll(timeout):
+            if timeout == 0 and self._poller is not None:
+                if not self._poller.poll(0):  # readable, hung up or in error: recv_bytes tells which
+                    return False
+            elif not self.conn.poll(timeout):
                 return False
             self._pending = self.conn.recv_bytes()
             return True

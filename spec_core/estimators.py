@@ -242,6 +242,7 @@ class StepTimes:
 
     def table(self, fit: LinearCost) -> list[float] | None:
         """Seconds for 1..:data:`STEP_TABLE_TOKENS` tokens (measured, else fitted); None before the fit exists."""
-        if fit.coefficients() is None:
+        c = fit.coefficients()
+        if c is None:
             return None
-        return [self.seconds[n] if n in self.seconds else fit.time(n) for n in range(1, STEP_TABLE_TOKENS + 1)]
+        return [self.seconds.get(n, c[0] + c[1] * n) for n in range(1, STEP_TABLE_TOKENS + 1)]

@@ -87,7 +87,10 @@ class SSDProposer:
         self.lateness: deque[float] = deque(maxlen=64)
         self.verify_cost = LinearCost(decay=0.99)
         self.step_times = StepTimes()
-        self._step_table: list[float] | None = None  # StepTimes.table for the drafter: once a step, not an outcome
+        #: StepTimes.table for the drafter: made at most once a step (not once an outcome), and only in a step that
+        #: sends an outcome (a plain round's is deferred), so plain decoding does not pay for it.
+        self._step_table: list[float] | None = None
+        self._step_table_stale = False
         self._last_step_tokens = 1
         #: Seconds the last :meth:`propose` waited for requests none of which could have hit
         #: (:meth:`SSDRequestState.cold`); the planner's cost fit leaves them out (:mod:`verifier_service.adaptive`).
@@ -143,9 +146,9 @@ class SSDProposer:
         self.cold_wait_s = 0.0
         specs: dict[str, Speculation | None] = {}
         waiting = []
-        self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
-        if not self.jit_allowed:
-            self.stats.fast_backup_steps += 1
+        if any(ks):  # a step that speculates chooses its backup; a plain one keeps the last choice (nothing drafts)
+            self.jit_allowed = self.choose_backup(len(seqs)) == "neural"
+            self.stats.fast_backup_steps += int(not self.jit_allowed)
         for seq, k in zip(seqs, ks):
             st = self.state.get(seq.request_id)
             if st is None:  # first round: the drafter catches up on the prompt while the target prefills
@@ -348,7 +351,7 @@ class SSDProposer:
                                     len(verified) if num_accepted is None else num_accepted, bonus, next_k,
                                     verify_s=self.verify_s_ema, sent_at=sent_at,
                                     jit=self.jit_allowed or seq.reproducible, parents=parents, slot=slot,
-                                    node_cost=self.node_cost, step_s=self._step_table,
+                                    node_cost=self.node_cost, step_s=self.step_table(),
                                     step_others=max(0, self._last_step_tokens - len(verified) - 1)))
 
     def replace_link(self, link: DrafterLink) -> None:
@@ -382,8 +385,14 @@ class SSDProposer:
         if tokens:
             self.verify_cost.observe(tokens, seconds)
             self.step_times.observe(tokens, seconds)
-            self._step_table = self.step_times.table(self.verify_cost)
+            self._step_table_stale = True
             self._last_step_tokens = tokens
+
+    def step_table(self) -> list[float] | None:
+        """The verifier's step time by size (:meth:`StepTimes.table`) as of the last verify."""
+        if self._step_table_stale:
+            self._step_table, self._step_table_stale = self.step_times.table(self.verify_cost), False
+        return self._step_table
 
     @property
     def node_cost(self) -> float | None:
