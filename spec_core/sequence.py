@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from spec_core.config import SamplingParams
@@ -14,6 +15,7 @@ from spec_core.metrics import DecodeStats
 
 #: ``purpose`` keys of :meth:`Sequence.uniforms_at`: draft tokens, and the verification of a round.
 DRAFT, VERIFY, DRAFT_LEAF = 1, 2, 3
+_UNIT = 2.0**-24  # a 24-bit integer times this is a float32 uniform in [0, 1)
 
 
 @dataclass(slots=True)
@@ -142,9 +144,16 @@ class Sequence:
         """``n`` uniforms in [0, 1) keyed by (seed, ``purpose``, ``position``): a counter-based draw (Philox), the
         same whenever it is asked again, independent across keys. Draft tokens at a position and the verification
         of a round rooted at a position use them, so a sampled request's tokens do not depend on which round,
-        batch or timing produced them (with a fixed K and no n-gram backup: :attr:`reproducible`)."""
-        rng = np.random.Generator(np.random.Philox(key=[self.seed % (1 << 64), (purpose << 40) | position]))
-        return torch.from_numpy(rng.random(n, dtype=np.float32))
+        batch or timing produced them (with a fixed K and no n-gram backup: :attr:`reproducible`).
+
+        The draw is keyed BLAKE2b (a pseudorandom function of its key): block i of 64 bytes is the hash of i under
+        the key (seed, purpose << 40 | position), and each 32-bit word's top 24 bits make one uniform, exact in
+        float32. It costs about a third of constructing a numpy Philox generator for each call, which it replaced:
+        one to three calls a round for every request."""
+        key = struct.pack("<QQ", self.seed % (1 << 64), (purpose << 40) | position)
+        data = b"".join(hashlib.blake2b(struct.pack("<I", i), digest_size=64, key=key).digest()
+                        for i in range(-(-n // 16)))
+        return torch.tensor([(w >> 8) * _UNIT for w in struct.unpack_from(f"<{n}I", data)], dtype=torch.float32)
 
     @property
     def reproducible(self) -> bool:
