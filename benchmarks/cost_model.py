@@ -135,9 +135,10 @@ def pinned(cores: set[int] | None, threads: int):
 
 def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: int = 8, core: int | None = 0,
                   repeats: int = 200, dtype: str = "float32", device: str = "cpu", threads: int = 1,
-                  pad_rows: bool = True, cpu_kernels: bool = True) -> dict:
+                  pad_rows: bool = True, cpu_kernels: bool = True, busy_core: bool = True) -> dict:
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
-    then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved)."""
+    then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved). ``busy_core``:
+    also T(1) with the draft running on the other core (one pinned thread, CPU, two cores or more)."""
     from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
 
     name = resolve_dtype(dtype, device)
@@ -160,7 +161,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
         v = {k: time_forward(target, context, k + 1, max(5, repeats // 4)) / t1 for k in range(1, k_max + 1)}
         bandwidth = read_bandwidth(target.device)
         busy = None
-        if on_cpu and core is not None and threads == 1 and ncpu > 1:
+        if busy_core and on_cpu and core is not None and threads == 1 and ncpu > 1:
             busy = target_t1_with_other_core_busy(target, draft_path, context, 1 if core == 0 else 0, repeats,
                                                   draft_name)
     weight_bytes = target.weight_bytes_per_token()

@@ -284,7 +284,8 @@ def cmd_bench_costs(args: argparse.Namespace) -> int:
     for d in dtypes:
         row = measure_costs(pair[0].path, pair[1].path, context=args.context, k_max=args.k_max, core=args.core,
                             repeats=args.repeats, dtype=d, device=args.device, threads=args.threads,
-                            pad_rows=not args.no_pad_rows, cpu_kernels=not args.no_cpu_kernels)
+                            pad_rows=not args.no_pad_rows, cpu_kernels=not args.no_cpu_kernels,
+                            busy_core=not args.no_busy_core)
         sys.stderr.write(f"{row['dtype']:>9} {row['threads']} thread(s) on {row['device']}: T(1) "
                          f"{row['target_t1_s'] * 1e3:.1f} ms (as {row['target_t1_rows']} row(s)), matmuls alone "
                          f"{row['target_matmul_t1_s'] * 1e3:.1f} ms ({row['target_matmul_one_row_s'] * 1e3:.1f} at "

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--core", type=int, default=0)
     bc.add_argument("--repeats", type=int, default=200)
     bc.add_argument("--k-max", type=int, default=8, help="V(K) for K = 1..K_MAX (default 8)")
+    bc.add_argument("--no-busy-core", action="store_true",
+                    help="skip T(1) with the draft running on the other core (target_t1_other_core_busy_s null; "
+                         "it spawns and loads the draft, a few seconds per dtype)")
     _add_model_flags(bc)
     bc.set_defaults(threads=1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -42,7 +43,7 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     from spec_core import cpu_kernels
 
     proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8,int4", "--repeats", "3", "--k-max", "2", "--threads", "1",
-               "--context", "32", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
+               "--context", "32", "--no-busy-core", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     rows = {r["dtype"]: r for r in out["rows"]}
@@ -52,6 +53,7 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
         assert r["threads"] == 1 and r["device"] == "cpu"
         assert 0 < r["floor_t1_s"] < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
         assert set(r["V"]) == {"1", "2"}
+        assert r["target_t1_other_core_busy_s"] is None  # --no-busy-core
     # the weights really are loaded in each dtype: half the bytes per token in bf16
     assert f32["weight_bytes_per_token"] == 2 * b16["weight_bytes_per_token"]
     assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
@@ -74,6 +76,8 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     row = json.loads(plain.stdout)["rows"][0]
     assert row["target_t1_rows"] == 1 and row["target_matmul_t1_s"] == row["target_matmul_one_row_s"]
     assert not row["cpu_kernels"]
+    if (os.cpu_count() or 1) > 1:  # by default, T(1) with the draft running on the other core
+        assert row["target_t1_other_core_busy_s"] > 0
 
 
 def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):
