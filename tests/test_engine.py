@@ -205,3 +205,31 @@ def test_greedy_verify_step_at_batch_16_crosses_at_most_twice(tiny_models, mode)
     assert max(verify_steps) <= 2, verify_steps
     for s in seqs:
         assert s.output_ids == ar_reference(target, s.prompt_ids, 8)
+
+
+def test_sampled_rows_equal_the_per_request_computation():
+    """One softmax over every sampled request's rows, and one draw for the plain rounds among them, give the
+    per-request values bit for bit (so a seeded request's tokens do not depend on its batch)."""
+    from spec_core.sampling import request_probs
+    from spec_core.sequence import VERIFY
+    from spec_core.tree import stochastic_verify_tree_path
+    from verifier_service.engine import sampled_rows
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 50, generator=gen) * 4
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_p=0.9, seed=2),
+              SamplingParams(temperature=0.5, top_k=7, seed=3), SamplingParams(temperature=0.8, seed=4)]
+    seqs = [Sequence(f"r{i}", [1, 2, 3 + i], p) for i, p in enumerate(params)]
+    q = torch.softmax(torch.randn(2, 50, generator=gen), -1)
+    trees = [TokenTree([], [], None), TokenTree([-1, 0], [4, 9], q), TokenTree([], [], None),
+             TokenTree([-1], [4], q[:1])]
+    out = sampled_rows(logits, [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))])
+    assert set(out.picks) == {"r0", "r2"}
+    for b, (s, t) in enumerate(zip(seqs, trees)):
+        alone = request_probs(logits[b, : t.num_nodes + 1][None], [s.params])[0]
+        assert torch.equal(out.probs[s.request_id], alone)
+        if not t.num_nodes:
+            u = s.uniforms_at(s.num_tokens, 1, VERIFY)
+            assert [out.picks[s.request_id]] == stochastic_verify_tree_path(alone, t, u)[0]
+    control = sampled_rows(logits.flip(0), [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))])
+    assert not torch.equal(control.probs["r0"], out.probs["r0"])  # the rows really are each request's own
