@@ -104,7 +104,7 @@ def test_a_lucky_window_halves_the_hold_instead_of_undoing_it() -> None:
     the hold down to none."""
     planner = AdaptiveK(k_max=3, cost=FixedCost(0.1, 0.0001))
     st = planner.backoff(16)
-    lose = dict(b=16, spec_s=0.14, plain_s=0.1, emitted=17)
+    lose = dict(b=16, spec_s=0.112, plain_s=0.1, emitted=17)  # 0.95x: near break-even, the hold doubles
     win = dict(b=16, spec_s=0.1, plain_s=0.1, emitted=17)
     _run_until(planner, lambda: planner.backoffs == 3, **lose)  # holds of 48, 96 and 192 steps
     assert st.next_hold == 4 * planner.hold
@@ -118,6 +118,26 @@ def test_a_lucky_window_halves_the_hold_instead_of_undoing_it() -> None:
     assert st.next_hold == 2 * planner.hold
     _run_steps(planner, 3 * planner.probe_window, **win)
     assert st.next_hold == 0 and planner.backoffs == 4
+
+
+def test_a_clear_loss_is_cut_short_and_held_longer() -> None:
+    """At 0.7x (batch 1) the window is judged after the first third of its steps and each hold grows 4x; at 0.95x
+    the window runs whole and the hold doubles; a window that pays by 1.5x is never cut short."""
+    clear = AdaptiveK(k_max=3, cost=FixedCost(0.01, 0.0001))
+    warmup, window = clear.window(1)
+    ks = _run_steps(clear, 400, b=1, spec_s=0.0143, plain_s=0.01, emitted=1)
+    assert clear.backoffs >= 2
+    assert clear.backoff(1).next_hold == min(4 ** (clear.backoffs - 1) * clear.hold, clear.max_hold)
+    first = ks.index(0, 1)  # the steps before the first hold: a plain cold step, a K = 1 step, then the window
+    assert sum(k > 0 for k in ks[:first]) <= 1 + warmup + window // 3
+    near = AdaptiveK(k_max=3, cost=FixedCost(0.01, 0.0001))
+    ks = _run_steps(near, 400, b=1, spec_s=0.0105, plain_s=0.01, emitted=1)
+    assert near.backoffs >= 2
+    assert near.backoff(1).next_hold == min(2 ** (near.backoffs - 1) * near.hold, near.max_hold)
+    assert sum(k > 0 for k in ks[:ks.index(0, 1)]) >= warmup + window
+    paying = AdaptiveK(k_max=3, cost=FixedCost(0.01, 0.0001))
+    _run_steps(paying, 400, b=1, spec_s=0.0133, plain_s=0.01, emitted=2)
+    assert paying.backoffs == 0
 
 
 def test_the_window_after_a_hold_speculates_even_where_estimates_say_plain() -> None:
