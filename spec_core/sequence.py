@@ -141,10 +141,10 @@ class Sequence:
         return torch.rand(n, generator=self.generator)
 
     def uniforms_at(self, position: int, n: int, purpose: int) -> torch.Tensor:
-        """``n`` uniforms in [0, 1) keyed by (seed, ``purpose``, ``position``): a counter-based draw (Philox), the
-        same whenever it is asked again, independent across keys. Draft tokens at a position and the verification
-        of a round rooted at a position use them, so a sampled request's tokens do not depend on which round,
-        batch or timing produced them (with a fixed K and no n-gram backup: :attr:`reproducible`).
+        """``n`` uniforms in [0, 1) keyed by (seed, ``purpose``, ``position``): a counter-based draw (keyed
+        BLAKE2b, below), the same whenever it is asked again, independent across keys. Draft tokens at a position
+        and the verification of a round rooted at a position use them, so a sampled request's tokens do not depend
+        on which round, batch or timing produced them (with a fixed K and no n-gram backup: :attr:`reproducible`).
 
         The draw is keyed BLAKE2b (a pseudorandom function of its key): block i of 64 bytes is the hash of i under
         the key (seed, purpose << 40 | position), and each 32-bit word's top 24 bits make one uniform, exact in

@@ -299,7 +299,7 @@ class SampledRows:
 def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]]) -> SampledRows:
     """One :func:`request_probs` over every sampled request's rows (``(b, seq, tree)``: its batch row b of
     ``logits [B, L, V]`` and its tree), and one draw for every plain round among them, instead of a softmax and
-    a draw per request (a tenth of a batch-16 step on the real pair). Each row's arithmetic is its own, so the
+    a draw per request (int4 at batch 16, T = 0.8: ITL 107.3 → 105.1 ms). Each row's arithmetic is its own, so the
     values are those of the per-request calls (requests are grouped by which top-k/top-p filters they use, since
     a filter runs on every row of a call); a plain round's draw uses its verification uniform, as
     :func:`stochastic_verify_tree_path` does for an empty tree."""
