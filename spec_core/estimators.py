@@ -246,3 +246,33 @@ class StepTimes:
         if c is None:
             return None
         return [self.seconds.get(n, c[0] + c[1] * n) for n in range(1, STEP_TABLE_TOKENS + 1)]
+
+
+@dataclass(slots=True)
+class VerifyCosts:
+    """What a verifier tells its drafter about its step's cost: the line through (tokens, seconds) of its verifies,
+    the measured :class:`StepTimes` table and the last step's size. The table is made on demand, at most once a
+    verify: only steps that send the drafter an outcome ask for it, so plain decoding does not pay for it."""
+
+    fit: LinearCost = field(default_factory=lambda: LinearCost(decay=0.99))
+    steps: StepTimes = field(default_factory=StepTimes)
+    last_tokens: int = 1
+    _table: list[float] | None = None
+    _stale: bool = False
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.fit.observe(tokens, seconds)
+        self.steps.observe(tokens, seconds)
+        self.last_tokens, self._stale = tokens, True
+
+    def table(self) -> list[float] | None:
+        """:meth:`StepTimes.table` as of the last verify."""
+        if self._stale:
+            self._table, self._stale = self.steps.table(self.fit), False
+        return self._table
+
+    def node_cost(self) -> float | None:
+        """One more tree node's share of the last step (the fitted slope over the step's time), for the drafter's
+        ``--tree auto``; None until the fit has seen more than one step size."""
+        c = self.fit.coefficients()
+        return None if c is None else c[1] / (c[0] + c[1] * self.last_tokens)

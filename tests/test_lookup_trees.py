@@ -158,6 +158,22 @@ def test_step_times_fill_unseen_sizes_from_the_line():
     assert STEP_TABLE_TOKENS + 1 not in steps.seconds
 
 
+def test_verify_costs_table_follows_the_last_verify():
+    """The verifier's step table for the drafter: none before the line exists, then as of the latest verify
+    (made on demand), with the node cost the slope's share of the last step."""
+    from spec_core.estimators import VerifyCosts
+
+    costs = VerifyCosts()
+    costs.observe(3, 0.027)
+    assert costs.table() is None and costs.node_cost() is None  # one step size: no line yet
+    for n, t in ((7, 0.031), (3, 0.027), (7, 0.031)):
+        costs.observe(n, t)
+    assert costs.table()[2:7:4] == pytest.approx([0.027, 0.031])
+    assert costs.node_cost() == pytest.approx(0.001 / 0.031)
+    costs.observe(7, 0.041)  # a slower step of 7: the next table has it
+    assert costs.table()[6] == pytest.approx(0.8 * 0.031 + 0.2 * 0.041)  # StepTimes' mean, alpha 0.2
+
+
 def test_fan_out_covers_the_lookup_slots():
     cfg = FanoutConfig(budget=12)
     plain = tree_fanout(cfg, 3, [1, 0, 0], 0.6, 1.0, 0.3)

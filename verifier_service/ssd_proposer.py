@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-from spec_core.estimators import LinearCost, StepTimes
+from spec_core.estimators import VerifyCosts
 from spec_core.ngram import backup_tokens, one_hot_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import (
@@ -85,13 +85,7 @@ class SSDProposer:
         self.verify_s_ema = 0.01
         #: How long after their verify ended recent overdue bundles became ready (``inf``: never), for the wait.
         self.lateness: deque[float] = deque(maxlen=64)
-        self.verify_cost = LinearCost(decay=0.99)
-        self.step_times = StepTimes()
-        #: StepTimes.table for the drafter: made at most once a step (not once an outcome), and only in a step that
-        #: sends an outcome (a plain round's is deferred), so plain decoding does not pay for it.
-        self._step_table: list[float] | None = None
-        self._step_table_stale = False
-        self._last_step_tokens = 1
+        self.verify_costs = VerifyCosts()  # for the drafter's tree sizing, sent with each outcome
         #: Seconds the last :meth:`propose` waited for requests none of which could have hit
         #: (:meth:`SSDRequestState.cold`); the planner's cost fit leaves them out (:mod:`verifier_service.adaptive`).
         self.cold_wait_s = 0.0
@@ -351,8 +345,8 @@ class SSDProposer:
                                     len(verified) if num_accepted is None else num_accepted, bonus, next_k,
                                     verify_s=self.verify_s_ema, sent_at=sent_at,
                                     jit=self.jit_allowed or seq.reproducible, parents=parents, slot=slot,
-                                    node_cost=self.node_cost, step_s=self.step_table(),
-                                    step_others=max(0, self._last_step_tokens - len(verified) - 1)))
+                                    node_cost=self.verify_costs.node_cost(), step_s=self.verify_costs.table(),
+                                    step_others=max(0, self.verify_costs.last_tokens - len(verified) - 1)))
 
     def replace_link(self, link: DrafterLink) -> None:
         """Switch to a new drafter connection (e.g. a restarted drafter, which knows nothing). Call between steps:
@@ -383,26 +377,7 @@ class SSDProposer:
     def observe_verify_time(self, seconds: float, tokens: int = 0) -> None:
         self.verify_s_ema = 0.8 * self.verify_s_ema + 0.2 * seconds
         if tokens:
-            self.verify_cost.observe(tokens, seconds)
-            self.step_times.observe(tokens, seconds)
-            self._step_table_stale = True
-            self._last_step_tokens = tokens
-
-    def step_table(self) -> list[float] | None:
-        """The verifier's step time by size (:meth:`StepTimes.table`) as of the last verify."""
-        if self._step_table_stale:
-            self._step_table, self._step_table_stale = self.step_times.table(self.verify_cost), False
-        return self._step_table
-
-    @property
-    def node_cost(self) -> float | None:
-        """One more tree node's share of this verifier's step (the fitted slope over the step's time), for the
-        drafter's ``--tree auto``; None until the fit has seen more than one step size."""
-        c = self.verify_cost.coefficients()
-        if c is None:
-            return None
-        t0, t1 = c
-        return t1 / (t0 + t1 * self._last_step_tokens)
+            self.verify_costs.observe(tokens, seconds)
 
     def release(self, seq: Sequence) -> None:
         if self.state.pop(seq.request_id, None) is not None:
