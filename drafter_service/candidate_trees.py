@@ -220,3 +220,13 @@ class LookupStats:
         for m, node in enumerate(range(first, num_nodes)):
             self.accept[m].update(node in path)
             self.end[m].update(bool(path) and path[-1] == node)
+
+
+def glue_mask(paths: list[list[int]], width: int) -> torch.Tensor:
+    """``[branches, width]`` bool: which of a speculation's glue slots (the root, then its ``width - 1`` nodes) each
+    branch attends: the root and the nodes on the path to its outcome slot (``paths[b]``, node indices)."""
+    mask = torch.zeros(len(paths), width, dtype=torch.bool)
+    rows = [b for b, path in enumerate(paths) for _ in range(len(path) + 1)]
+    cols = [c for path in paths for c in (0, *(p + 1 for p in path))]
+    mask[rows, cols] = True
+    return mask

@@ -21,7 +21,7 @@ def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions:
     tokens were drawn from). Row i's token sits at ``positions[i]``; its uniform is keyed by that position."""
     if seq.params.greedy:
         return to_host(logits.argmax(-1)), None
-    uniforms = torch.cat([seq.uniforms_at(p, 1, DRAFT) for p in positions])
+    uniforms = seq.uniforms_for(positions, 1, DRAFT)
     n, vocab = config.proposal_top_n, logits.shape[-1]
     if config.ship_raw_q or not 0 < n < vocab:
         q = request_probs(logits[None], [seq.params])[0]
@@ -47,8 +47,8 @@ def pick_leaves(seq: Sequence, logits: torch.Tensor, spine: list[int], q: torch.
         return [([], None) for _ in spine]
     if q is None:
         return [(t, None) for t in leaf_tokens(logits, spine, extra)]
-    out = []
-    for row, pos in zip(q, positions):
-        rows = row[None].expand(extra, -1)
-        out.append((to_host(sample_from_probs(rows, seq.uniforms_at(pos, extra, DRAFT_LEAF))), rows))
-    return out
+    # One draw for every row's leaves: a row's inverse-CDF draw is its own arithmetic, whatever rows share the call.
+    rows = q.repeat_interleave(extra, 0)
+    uniforms = seq.uniforms_for(positions, extra, DRAFT_LEAF)
+    drawn = to_host(sample_from_probs(rows, uniforms))
+    return [(drawn[i * extra:(i + 1) * extra], rows[i * extra:(i + 1) * extra]) for i in range(len(positions))]

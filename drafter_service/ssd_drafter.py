@@ -40,6 +40,7 @@ from drafter_service.candidate_trees import (
     LookupStats,
     auto_leaves,
     bonus_candidates,
+    glue_mask,
     slot_fanout,
     slot_guesses,
 )
@@ -318,6 +319,8 @@ class SSDDrafter:
         paths = [[path_nodes(s.parents, j) for j, _ in br] for s, br in zip(specs, branches)]
         leaves = [self._leaves(r, r.k) for r in reqs]
         k_max = max((r.k for r in reqs), default=0)
+        # What each branch sees of its request's glue (the root and its outcome's path): the same at every step.
+        glue_masks = [glue_mask(p, s.num_nodes + 1) for p, s in zip(paths, specs)]
         for step in range(k_max):
             items, live = [], []
             for i, (r, s, br) in enumerate(zip(reqs, specs, branches)):
@@ -328,10 +331,8 @@ class SSDDrafter:
                 base = n + s.num_nodes  # first scratch position (slots only; RoPE positions are the true ones)
                 glue = self._slots(rid, n - 1, n + s.num_nodes)
                 earlier = self._slots(rid, base, base + step * m)
-                mask = torch.zeros(m, len(glue) + len(earlier), dtype=torch.bool)
-                for b, path in enumerate(paths[i]):
-                    mask[b, [0] + [p + 1 for p in path]] = True
-                    mask[b, len(glue) + b :: m] = True
+                # ... and its own earlier tokens: branch b's are every m-th scratch slot from b
+                mask = torch.cat([glue_masks[i], torch.eye(m, dtype=torch.bool).repeat(1, step)], dim=1)
                 items.append(WorkItem(self._slots(rid, 0, n - 1), [now_tokens[i][b] for b in range(m)],
                                       [n + len(path) + step for path in paths[i]],
                                       self._slots(rid, base + step * m, base + (step + 1) * m),

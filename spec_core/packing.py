@@ -11,8 +11,10 @@ everything else is discarded by truncating to the new committed length.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spec_core.kv_cache import PagedBatch, PagedKVCache
@@ -46,18 +48,20 @@ class WorkItem:
     extra_mask: torch.Tensor | None = None
 
 
-def new_token_mask(num_pending: int, parents: list[int]) -> torch.Tensor:
-    """``[T, T]`` bool: causal among pending tokens; each node sees all pending tokens, itself and its ancestors."""
+@functools.lru_cache(maxsize=1024)
+def new_token_mask(num_pending: int, parents: tuple[int, ...]) -> np.ndarray:
+    """``[T, T]`` bool: causal among pending tokens; each node sees all pending tokens, itself and its ancestors.
+    Cached by shape (a step's items share a few), so the array is read-only."""
     t = num_pending + len(parents)
-    mask = torch.zeros(t, t, dtype=torch.bool)
-    causal = torch.arange(num_pending)
-    mask[:num_pending, :num_pending] = causal[:, None] >= causal  # not .tril(): an OpenMP region at any size
+    mask = np.zeros((t, t), dtype=bool)
+    mask[:num_pending, :num_pending] = np.tri(num_pending, dtype=bool)
     for i, parent in enumerate(parents):
         row = num_pending + i
         mask[row, :num_pending] = True
         if parent >= 0:
             mask[row] |= mask[num_pending + parent]
         mask[row, row] = True
+    mask.flags.writeable = False
     return mask
 
 
@@ -68,7 +72,9 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
     The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
     the bool mask) that crosses to the device in a single copy; the device views it back into fields. A mask that
     hides nothing is left out. Pad tokens (ragged rows, and ``row_padding``'s extra tokens and logits rows, see
-    :mod:`spec_core.row_padding`) write to ``scratch_slot``, may attend to every slot and are never read.
+    :mod:`spec_core.row_padding`) write to ``scratch_slot``, may attend to every slot and are never read. The host
+    side is numpy and Python lists (a torch op per field and item cost more than the rest of a decode step's
+    bookkeeping).
     """
     bsz = len(items)
     t_max = max(len(it.token_ids) for it in items)
@@ -77,28 +83,24 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
     if row_padding is not None:
         t_max, l_max = row_padding.tokens(bsz, t_max), row_padding.tokens(bsz, l_max)
     widths = (t_max, t_max, t_max, s_max, l_max)  # input_ids, positions, write_slots, kv_slots, logits_index
-    ints = torch.zeros(bsz, sum(widths), dtype=torch.long)
-    input_ids, positions, write_slots, kv_slots, logits_index = ints.split(widths, dim=1)
-    write_slots.fill_(scratch_slot)
-    kv_slots.fill_(scratch_slot)
-    mask = torch.zeros(bsz, t_max, s_max, dtype=torch.bool)
+    rows = []
+    mask = np.zeros((bsz, t_max, s_max), dtype=bool)
     for b, it in enumerate(items):
         t, p, e = len(it.token_ids), len(it.prefix_slots), len(it.extra_slots)
-        row = [*it.token_ids, *it.positions, *it.write_slots, *it.prefix_slots, *it.extra_slots, *it.write_slots,
-               *it.logits_rows]
-        vals = torch.as_tensor(row, dtype=torch.long)
-        input_ids[b, :t], positions[b, :t], write_slots[b, :t] = vals[:t], vals[t:2 * t], vals[2 * t:3 * t]
-        kv_slots[b, : p + e + t] = vals[3 * t : 3 * t + p + e + t]
-        logits_index[b, : len(it.logits_rows)] = vals[4 * t + p + e :]
+        pad, kv = t_max - t, p + e + t
+        rows.append([*it.token_ids, *[0] * pad, *it.positions, *[0] * pad, *it.write_slots, *[scratch_slot] * pad,
+                     *it.prefix_slots, *it.extra_slots, *it.write_slots, *[scratch_slot] * (s_max - kv),
+                     *it.logits_rows, *[0] * (l_max - len(it.logits_rows))])
         mask[b, :t, :p] = True
         if e:
-            mask[b, :t, p : p + e] = it.extra_mask
-        mask[b, :t, p + e : p + e + t] = new_token_mask(it.num_pending, it.parents)
+            mask[b, :t, p : p + e] = it.extra_mask.numpy()
+        mask[b, :t, p + e : kv] = new_token_mask(it.num_pending, tuple(it.parents))
         mask[b, t:] = True  # pad queries see every slot (softmax stays finite, the mask may stay all-True); unused
-    n_int = ints.numel() * 8
-    if bool(mask.all()):
+    ints = np.array(rows, dtype=np.int64)
+    n_int = ints.nbytes
+    if mask.all():
         mask = mask[:0]
-    staged = torch.cat([ints.view(-1).view(torch.uint8), mask.view(-1).view(torch.uint8)])
+    staged = torch.from_numpy(np.concatenate([ints.reshape(-1).view(np.uint8), mask.reshape(-1).view(np.uint8)]))
     buf = to_device(staged, device)
     fields = buf[:n_int].view(torch.long).view(bsz, -1).split(widths, dim=1)
     return PagedBatch(
@@ -106,7 +108,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         positions=fields[1],
         write_slots=fields[2].contiguous(),
         kv_slots=fields[3].contiguous(),
-        attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max) if mask.numel() else None,
+        attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max) if mask.size else None,
         logits_index=fields[4],
     )
 

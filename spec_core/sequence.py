@@ -18,9 +18,10 @@ DRAFT, VERIFY, DRAFT_LEAF = 1, 2, 3
 _UNIT = 2.0**-24  # a 24-bit integer times this is a float32 uniform in [0, 1)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Sequence:
-    """A request's tokens and progress.
+    """A request's tokens and progress. Two sequences are equal only if they are the same object (a request is an
+    identity, not its field values; field-wise ``==`` also made the scheduler's membership tests O(fields)).
 
     Invariants: ``output_ids`` only grows, and only through :meth:`append`, which applies the stop rules (stop ids,
     EOS unless ``ignore_eos``, ``max_new_tokens``, the context limit). The token that triggers a stop is kept, as
@@ -150,10 +151,17 @@ class Sequence:
         the key (seed, purpose << 40 | position), and each 32-bit word's top 24 bits make one uniform, exact in
         float32. It costs about a third of constructing a numpy Philox generator for each call, which it replaced:
         one to three calls a round for every request."""
+        return torch.tensor(self._uniform_values(position, n, purpose), dtype=torch.float32)
+
+    def uniforms_for(self, positions: list[int], n: int, purpose: int) -> torch.Tensor:
+        """``uniforms_at(p, n, purpose)`` for every p in ``positions``, concatenated, as one tensor."""
+        return torch.tensor([u for p in positions for u in self._uniform_values(p, n, purpose)], dtype=torch.float32)
+
+    def _uniform_values(self, position: int, n: int, purpose: int) -> list[float]:
         key = struct.pack("<QQ", self.seed % (1 << 64), (purpose << 40) | position)
         data = b"".join(hashlib.blake2b(struct.pack("<I", i), digest_size=64, key=key).digest()
                         for i in range(-(-n // 16)))
-        return torch.tensor([(w >> 8) * _UNIT for w in struct.unpack_from(f"<{n}I", data)], dtype=torch.float32)
+        return [(w >> 8) * _UNIT for w in struct.unpack_from(f"<{n}I", data)]
 
     @property
     def reproducible(self) -> bool:
