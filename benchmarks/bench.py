@@ -98,11 +98,11 @@ def progress(total: int, desc: str):
 
 
 def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
-              summary: bool = True, on_block=None) -> dict:
+              summary: bool = True, on_block=None, pair=None) -> dict:
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict. ``on_block(report)``
-    gets the report so far after each (temperature, concurrency) block."""
+    gets the report so far after each (temperature, concurrency) block; ``pair``: the models, already loaded."""
     set_threads(settings.target_threads)
-    runner = ModeRunner(settings, target, draft)
+    runner = ModeRunner(settings, target, draft, pair)
     try:
         return _run_all(settings, runner, target, draft, summary, on_block)
     finally:

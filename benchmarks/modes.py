@@ -21,6 +21,7 @@ from verifier_service.api import RUNTIME, GenerationResult, Generator
 
 if TYPE_CHECKING:
     from benchmarks.bench import BenchSettings
+    from spec_core.models import LoadedPair
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,10 @@ def is_ar(mode: str) -> bool:
 class ModeRunner:
     """Runs one request in any bench mode; every mode shares the loaded models and the tokenised prompt."""
 
-    def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> None:
-        self.gen = Generator(target, draft, k=settings.k)
+    def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
+                 pair: LoadedPair | None = None) -> None:
+        """``pair``: the models already loaded (``ssd bench --sweep`` loads them once for all its points)."""
+        self.gen = Generator(target, draft, k=settings.k) if pair is None else Generator.from_pair(pair, k=settings.k)
         self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.threads = settings.target_threads
         self.k = settings.k

@@ -1,6 +1,7 @@
 """``ssd bench --sweep k,budget,c``: the best lookahead K, fan-out budget and Saguaro C for a model pair.
 
-Each point is a full interleaved bench run on the same prompts; the best value maximises aggregate decode tokens/s.
+Each point is a full interleaved bench run on the same prompts, over the same loaded models (each point starts
+its own engines and drafter processes); the best value maximises aggregate decode tokens/s.
   * ``k``: SD and SSD (whichever of them are in ``--modes``) at K = 1..8; reports the best K of each mode;
   * ``budget``: SSD at the best SSD K (or ``--k``) with B in 4, 8, 12, 16, 24 pre-drafted branches per request;
   * ``c``: SSD with Saguaro C in 1, 0.7, 0.5, 0.3. C only changes sampled requests, so this dimension runs at
@@ -18,6 +19,7 @@ from dataclasses import replace
 
 from benchmarks.bench import BenchSettings, run_bench
 from spec_core.config import ModelConfig
+from spec_core.models import load_pair, set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +34,16 @@ def _best(rows: list[dict], key: str) -> object:
     return max(rated, key=lambda r: r["tokens_per_s"])[key] if rated else None
 
 
-def _point(settings: BenchSettings, target: ModelConfig, draft: ModelConfig, label: str, value, **kw) -> list[dict]:
+def _point(settings: BenchSettings, target: ModelConfig, draft: ModelConfig, label: str, value, pair,
+           **kw) -> list[dict]:
     sys.stderr.write(f"sweep {label}={value}\n")
-    report = run_bench(replace(settings, **kw), target, draft, summary=False)
+    report = run_bench(replace(settings, **kw), target, draft, summary=False, pair=pair)
     return [dict(r, **{label: value}) for r in report["results"]]
 
 
 def run_sweep(settings: BenchSettings, target: ModelConfig, draft: ModelConfig) -> dict:
+    set_threads(settings.target_threads)
+    pair = load_pair(target, draft)  # once: what differs between points does not change how the models load
     spec_modes = tuple(m for m in settings.modes if m in ("sd", "ssd")) or ("sd", "ssd")
     out: dict = {"settings": {"modes": spec_modes, "num_prompts": settings.num_prompts,
                               "max_new_tokens": settings.max_new_tokens}}
@@ -46,7 +51,7 @@ def run_sweep(settings: BenchSettings, target: ModelConfig, draft: ModelConfig) 
     if "k" in settings.sweep:
         rows = []
         for k in K_VALUES:
-            rows += _point(settings, target, draft, "k", k, k=k, sd_k=k, modes=spec_modes, sweep=())
+            rows += _point(settings, target, draft, "k", k, pair, k=k, sd_k=k, modes=spec_modes, sweep=())
         out["k"] = rows
         best_k = {m: _best([r for r in rows if r["mode"] == m], "k") for m in spec_modes}
         out["best_k"] = best_k
@@ -54,21 +59,21 @@ def run_sweep(settings: BenchSettings, target: ModelConfig, draft: ModelConfig) 
     if "budget" in settings.sweep:
         rows = []
         for b in BUDGETS:
-            rows += _point(settings, target, draft, "budget", b, k=ssd_k, budget=b, modes=("ssd",), sweep=())
+            rows += _point(settings, target, draft, "budget", b, pair, k=ssd_k, budget=b, modes=("ssd",), sweep=())
         out["budget"] = rows
         out["best_budget"] = _best(rows, "budget")
     if "c" in settings.sweep:
         temps = tuple(t for t in settings.temperatures if t > 0) or (0.8,)
         rows = []
         for c in C_VALUES:
-            rows += _point(settings, target, draft, "saguaro_c", c, k=ssd_k, saguaro_c=c, modes=("ssd",),
+            rows += _point(settings, target, draft, "saguaro_c", c, pair, k=ssd_k, saguaro_c=c, modes=("ssd",),
                            temperatures=temps, budget=out.get("best_budget") or settings.budget, sweep=())
         out["c"] = rows
         out["best_c"] = _best(rows, "saguaro_c")
     if "tree" in settings.sweep:
         rows = []
         for shape in TREES:
-            rows += _point(settings, target, draft, "tree", shape, k=ssd_k, tree=shape, modes=("ssd", "ssd-chain"),
+            rows += _point(settings, target, draft, "tree", shape, pair, k=ssd_k, tree=shape, modes=("ssd", "ssd-chain"),
                            budget=out.get("best_budget") or settings.budget, sweep=())
         for r in rows:
             if r["mode"] == "ssd-chain":

@@ -64,3 +64,34 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     and sum (``sin_signed`` from :func:`signed_sin`), in four kernels instead of seven. Returns ``x``."""
     rotated = x.roll(x.shape[-1] // 2, -1).mul_(sin_signed)
     return x.mul_(cos).add_(rotated)
+
+
+#: RoPE types whose tables depend on the forward's length in transformers (``dynamic_rope_update``): computed
+#: through transformers' own rotary module, which is slow to import.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_tables(hf_config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin ``[max_positions, head_dim]`` in fp32, with transformers' rotary modules' arithmetic (Llama,
+    Qwen2 and Qwen3 share it): the default inverse frequencies, or ``ROPE_INIT_FUNCTIONS``' for scaled types, times
+    each position, doubled, then cos and sin scaled by the type's attention factor. Computed here rather than through
+    ``LlamaRotaryEmbedding``, whose module import costs every process that loads a model about 2 s."""
+    params = hf_config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(hf_config)
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(max_positions)[None])
+        return cos[0], sin[0]
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    freqs = torch.arange(max_positions)[:, None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling

@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from spec_core import cpu_kernels
 from spec_core.arch import ArchSpec, load_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
-from spec_core.ops import RMSNorm, rope_, signed_sin
+from spec_core.ops import RMSNorm, rope_, rope_tables, signed_sin
 from spec_core.quant import (
     LinearWeight,
     PackedLinear,
@@ -219,10 +218,10 @@ class ModelRunner:
         self.rope_f32 = tuple(t.contiguous() for t in rope) if self.kernels else None
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin for every position (transformers' rotary module), fp32 on this runner's device."""
-        rotary = LlamaRotaryEmbedding(self.hf_config)
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(self.spec.max_positions)[None])
-        return cos[0].to(self.device), sin[0].to(self.device)
+        """RoPE's cos and sin for every position (transformers' arithmetic, :func:`spec_core.ops.rope_tables`), fp32
+        on this runner's device."""
+        cos, sin = rope_tables(self.hf_config, self.spec.max_positions)
+        return cos.to(self.device), sin.to(self.device)
 
     def _convert_w8a8(self) -> None:
         """``--dtype w8a8``: int8 weights and activations, SmoothQuant-calibrated on the model's own text."""

@@ -136,7 +136,7 @@ def test_bench_quick_schema(tmp_path, toy_pair):
 
 
 def test_bench_sweep_reports_the_best_budget(tmp_path, toy_pair):
-    """The sweep machinery (on the toy pair: it reloads the pair for every point)."""
+    """The sweep machinery (on the toy pair; the pair loads once for all points)."""
     out = tmp_path / "sweep.json"
     proc = ssd("bench", "--quick", "--num-prompts", "1", "--max-new-tokens", "32", "--modes", "ssd", "--k", "2",
                "--sweep", "budget", "--out", str(out), "--target", toy_pair["target"], "--draft", toy_pair["draft"])

@@ -66,3 +66,29 @@ def test_gpu_attention_leaves_out_cudnn_and_restores_the_flags():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with attention_kernels(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("family,rope", [
+    ("llama", None), ("qwen3", None), ("qwen3", {"rope_type": "linear", "factor": 2.0}),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 128}),
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+])
+def test_rope_tables_equal_transformers_rotary_module(family, rope):
+    """Our RoPE tables (computed without importing transformers' modeling code) equal its rotary modules' bit for
+    bit, for the default parameters and the scaled types."""
+    from conftest import tiny_config
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from spec_core.ops import rope_tables
+
+    overrides = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}
+    config = tiny_config(family, **overrides)
+    module = (LlamaRotaryEmbedding if family == "llama" else Qwen3RotaryEmbedding)(config)
+    cos, sin = module(torch.zeros(1), torch.arange(512)[None])
+    ours = rope_tables(config, 512)
+    assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
+    if rope and rope["rope_type"] != "dynamic":
+        assert not torch.equal(ours[0], rope_tables(tiny_config(family), 512)[0])  # the scaling took effect

@@ -97,7 +97,7 @@ def test_concurrency_is_real(tiny_models):
 
 
 def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
-    """Bundles ready 20-40 ms after each 200 ms verify, with the n-gram backup chosen at once (no just-in-time
+    """Bundles ready 10-20 ms after each 100 ms verify, with the n-gram backup chosen at once (no just-in-time
     drafts): once it has seen how late they are, the verifier waits for them (break-even, at most
     ``wait_fraction`` of a verify) and they serve the rounds, exactly. With a cap of 1% of a verify it never waits."""
     target = ModelRunner(tiny_models["llama"])
@@ -106,7 +106,7 @@ def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
     got = {}
     for fraction in (0.5, 0.01):
         cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6)),
-                             max_num_seqs=1, verify_delay_s=0.2, tree_delay_s=0.22, backup_policy="fast",
+                             max_num_seqs=1, verify_delay_s=0.1, tree_delay_s=0.11, backup_policy="fast",
                              wait_fraction=fraction)
         outs, stats, _, _ = _run(target, cfg, prompts, 32)
         assert outs == reference
