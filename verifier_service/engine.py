@@ -305,8 +305,8 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
     :func:`stochastic_verify_tree_path` does for an empty tree."""
     out = SampledRows()
     groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
-    for r in requests:  # a filter applied to a whole call (top-k 0 or top-p 1 rows too) may round them differently
-        groups.setdefault((r[1].params.top_k > 0, r[1].params.top_p < 1), []).append(r)
+    for b, seq, tree in requests:  # a filter applied to a whole call (top-k 0 or top-p 1 rows too) may round them
+        groups.setdefault((seq.params.top_k > 0, seq.params.top_p < 1), []).append((b, seq, tree))  # differently
     for group in groups.values():
         index = to_device([[b for b, _, t in group for _ in range(t.num_nodes + 1)],
                            [i for _, _, t in group for i in range(t.num_nodes + 1)]], logits.device, torch.long)
