@@ -48,7 +48,6 @@ def pick_leaves(seq: Sequence, logits: torch.Tensor, spine: list[int], q: torch.
     if q is None:
         return [(t, None) for t in leaf_tokens(logits, spine, extra)]
     # One draw for every row's leaves: a row's inverse-CDF draw is its own arithmetic, whatever rows share the call.
-    rows = q.repeat_interleave(extra, 0)
-    uniforms = seq.uniforms_for(positions, extra, DRAFT_LEAF)
-    drawn = to_host(sample_from_probs(rows, uniforms))
-    return [(drawn[i * extra:(i + 1) * extra], rows[i * extra:(i + 1) * extra]) for i in range(len(positions))]
+    drawn = to_host(sample_from_probs(q.repeat_interleave(extra, 0), seq.uniforms_for(positions, extra, DRAFT_LEAF)))
+    # each leaf keeps a view of its row (no copy), as the tree holds them until the bundle is sent
+    return [(drawn[i * extra:(i + 1) * extra], row[None].expand(extra, -1)) for i, row in enumerate(q)]
