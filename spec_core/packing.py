@@ -34,7 +34,7 @@ class WorkItem:
         parents: parent of each node (index among the nodes; -1 = the last pending token).
         logits_rows: indices into the new tokens whose logits are wanted.
         extra_slots / extra_mask: slots written by earlier forwards of this round (tree nodes being extended),
-            with ``extra_mask [T, E]`` saying which new token sees which (its ancestors).
+            with ``extra_mask [T, E]`` (a host tensor) saying which new token sees which (its ancestors).
     """
 
     prefix_slots: list[int]
@@ -93,7 +93,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
                      *it.logits_rows, *[0] * (l_max - len(it.logits_rows))])
         mask[b, :t, :p] = True
         if e:
-            mask[b, :t, p : p + e] = it.extra_mask.cpu().numpy()  # built on the host; .cpu() is a no-op there
+            mask[b, :t, p : p + e] = it.extra_mask.numpy()  # a host tensor (WorkItem)
         mask[b, :t, p + e : kv] = new_token_mask(it.num_pending, tuple(it.parents))
         mask[b, t:] = True  # pad queries see every slot (softmax stays finite, the mask may stay all-True); unused
     ints = np.array(rows, dtype=np.int64)
