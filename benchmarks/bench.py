@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from benchmarks.modes import BATCHED_MODES, BENCH_MODES, ModeRunner
 from benchmarks.report import ModeRuns, build_report, concurrency_row, print_summary, skipped_row, summarise
 from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, TreeShape
-from spec_core.models import set_threads
+from spec_core.models import LoadedPair, set_threads
 from spec_core.prompts import CHAT_SETS, chat_prompts, humaneval_prompts, read_prompt_file
 
 
@@ -98,7 +98,7 @@ def progress(total: int, desc: str):
 
 
 def run_bench(settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
-              summary: bool = True, on_block=None, pair=None) -> dict:
+              summary: bool = True, on_block=None, pair: LoadedPair | None = None) -> dict:
     """Run every (mode, temperature) on every prompt, interleaved; return the report dict. ``on_block(report)``
     gets the report so far after each (temperature, concurrency) block; ``pair``: the models, already loaded."""
     set_threads(settings.target_threads)

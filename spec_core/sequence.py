@@ -151,7 +151,7 @@ class Sequence:
         the key (seed, purpose << 40 | position), and each 32-bit word's top 24 bits make one uniform, exact in
         float32. It costs about a third of constructing a numpy Philox generator for each call, which it replaced:
         one to three calls a round for every request."""
-        return torch.tensor(self._uniform_values(position, n, purpose), dtype=torch.float32)
+        return self.uniforms_for([position], n, purpose)
 
     def uniforms_for(self, positions: list[int], n: int, purpose: int) -> torch.Tensor:
         """``uniforms_at(p, n, purpose)`` for every p in ``positions``, concatenated, as one tensor."""
