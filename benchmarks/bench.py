@@ -41,6 +41,8 @@ class BenchSettings:
     #: Seed sampled requests. A seeded sampled request is reproducible, so its K stays fixed (adaptive K would
     #: change its tokens) and it waits for neural drafts: what a user who passes `seed` gets, not the default.
     seeded: bool = False
+    #: How the ssd modes' sampled requests draw (``EngineConfig.sampling``); the other modes use the residual rule.
+    sampling: str = "auto"
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -73,7 +75,8 @@ class BenchSettings:
                              budget=getattr(args, "budget", 12),
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
                              tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"),
-                             adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False))
+                             adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False),
+                             sampling=getattr(args, "sampling", "auto"))
 
 
 def _seed(settings: BenchSettings, prompt: int, rep: int) -> int | None:

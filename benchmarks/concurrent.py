@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from benchmarks.modes import LOCAL_SSD_MODES
 from spec_core.config import SamplingParams
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
@@ -19,7 +20,7 @@ from verifier_service.scheduler import SchedulerConfig
 
 
 def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=None) -> VerifierEngine:
-    if mode in ("ssd", "ssd-chain"):
+    if mode in LOCAL_SSD_MODES:
         engine = local_ssd.engine
         nodes = max(k, local_ssd.config.ssd.max_nodes)  # the drafter's largest candidate tree
         engine.scheduler.config = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=nodes)
@@ -44,7 +45,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     ks: list[int] = []
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
-    before = _ssd_counters(local_ssd) if mode in ("ssd", "ssd-chain") else None
+    before = _ssd_counters(local_ssd) if mode in LOCAL_SSD_MODES else None
     before_stats = engine.metrics.stats.copy()
     t0 = time.perf_counter()
     for s in seqs:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
                "hf-generate-2t", "llama-cpp", "llama-cpp-2t")
 #: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
 TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
@@ -33,10 +33,11 @@ TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate
 LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
 
 #: Modes that also run at concurrency > 1 (through the continuous-batching engine; ar-2t and sd-2t on both cores).
-BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-service", "ar-2t", "sd-2t")
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "ar-2t", "sd-2t")
 #: The local two-process SSD modes: ``ssd`` with its candidate tree per outcome (``--tree``), ``ssd-chain`` with
-#: one chain per outcome (the paper's SSD), on the same K and budget.
-LOCAL_SSD_MODES = ("ssd", "ssd-chain")
+#: one chain per outcome (the paper's SSD), on the same K and budget; ``ssd-coupled``: ``ssd`` with coupled sampling
+#: (``EngineConfig.sampling``) whatever ``--sampling`` says, to compare the two rules side by side.
+LOCAL_SSD_MODES = ("ssd", "ssd-chain", "ssd-coupled")
 
 
 def runtime_of(mode: str) -> str:
@@ -103,12 +104,13 @@ class ModeRunner:
             from spec_core.fanout import FanoutConfig
 
             pair = self.gen.pair
-            tree = TreeShape.parse(settings.tree if mode == "ssd" else "chain")
+            tree = TreeShape.parse("chain" if mode == "ssd-chain" else settings.tree)
             ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
                                 saguaro_c=settings.saguaro_c, tree=tree)
             local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
                                        draft_cpu_kernels=draft.cpu_kernels,
-                                       adaptive_k=settings.adaptive_k)
+                                       adaptive_k=settings.adaptive_k,
+                                       sampling="coupled" if mode == "ssd-coupled" else settings.sampling)
             self.local_ssds[mode] = LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}

@@ -67,6 +67,7 @@ class PairConfig:
     stats_log_interval_s: float | None = 10.0  # the verifier's one-line stats log (None: off)
     adaptive_k: bool = True
     backup_policy: str = "auto"
+    sampling: str = "auto"  # how sampled requests draw (EngineConfig.sampling)
     use_gpu: bool | None = None  # None: GPUs if the cluster has enough for both actors (2 × gpu_fraction)
     #: Each actor's share of a GPU: 1.0 = a GPU each; 0.5 = both actors on one GPU (fractional bundles).
     gpu_fraction: float = 1.0
@@ -83,7 +84,7 @@ class PairConfig:
     def verifier_config(self) -> VerifierServerConfig:
         spec = SpeculationConfig(mode="ssd", k=self.k, budget=self.budget, saguaro_c=self.saguaro_c,
                                  adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
-                                 tree=TreeShape.parse(self.tree))
+                                 tree=TreeShape.parse(self.tree), sampling=self.sampling)
         return VerifierServerConfig(ModelConfig(self.target_path, self.dtype, self.device), spec=spec,
                                     cache=CacheConfig(kv_memory_fraction=self.kv_memory_fraction),
                                     scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,

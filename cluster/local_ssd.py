@@ -53,6 +53,8 @@ class LocalSSDConfig:
     draft_cpu_kernels: bool = True
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
+    #: How sampled requests draw (``EngineConfig.sampling``: auto, residual or coupled).
+    sampling: str = "auto"
 
 
 class LocalSSD:
@@ -118,7 +120,8 @@ class LocalSSD:
                                max_nodes=cfg.ssd.max_nodes)
         sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.max_nodes)
         self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
-                                                               verify_delay_s=cfg.verify_delay_s),
+                                                               verify_delay_s=cfg.verify_delay_s,
+                                                               sampling=cfg.sampling),
                                      drafter=proposer, k=cfg.ssd.k)
         if cfg.adaptive_k:
             from verifier_service.adaptive import AdaptiveK

@@ -45,6 +45,7 @@ class ServeSettings(BaseModel):
     def _tree_shape(cls, v: str) -> str:
         return str(TreeShape.parse(v))
     backup_policy: Literal["auto", "neural", "fast"] = "auto"
+    sampling: Literal["auto", "residual", "coupled"] = "auto"
     # engine
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -94,6 +95,7 @@ class ServeSettings(BaseModel):
             use_gpu={"auto": None, "yes": True, "no": False}[self.gpu], strategy=self.strategy,
             gpu_fraction=self.gpu_fraction, device=self.device, kv_memory_fraction=self.kv_memory_fraction,
             metrics_port=self.metrics_port, adaptive_k=not self.fixed_k, backup_policy=self.backup_policy,
+            sampling=self.sampling,
             http_port=self.http_port, served_model_name=self.served_model_name, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, stats_log_interval_s=self.stats_log_interval,
             extra_verifier={"auth_token_file": absolute(self.auth_token_file), "auth_token_env": self.auth_token_env,

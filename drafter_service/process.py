@@ -175,7 +175,7 @@ class DrafterLoop:
         reqs, specs, misses = [], [], []
         for ev in events:
             if isinstance(ev, PrefillEvent):
-                params = replace(ev.params, seed=_drafter_seed(ev.params.seed))
+                params = ev.params if ev.params.coupled else replace(ev.params, seed=_drafter_seed(ev.params.seed))
                 self.drafter.add(Sequence(ev.request_id, list(ev.token_ids), params), ev.k)
                 # Round 0 verifies no speculation (the target's prefill): pre-draft for its bonus token already.
                 req = self.drafter.requests[ev.request_id]

@@ -24,14 +24,14 @@ S's spine (the glue's K/V at its true positions), and everything past it is trun
 branch that hit are re-glued next round.
 
 Saguaro sampling: sampled requests draw from q′ = q with the top-F tokens' mass scaled by C (then renormalised) and
-ship q′, so the verifier's acceptance test and residual use q′ and stay exact.
+ship q′, so the verifier's test and residual stay exact. Coupled requests rank and pick as greedy ones, on their race.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -44,16 +44,16 @@ from drafter_service.candidate_trees import (
     slot_fanout,
     slot_guesses,
 )
-from drafter_service.picking import pick_leaves, pick_rows
+from drafter_service.draft_request import DraftRequest, glue_start
+from drafter_service.picking import RANK_HEAD, pick_leaves, pick_rows, race_ranking
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig, TreeShape, lookup_depth
 from spec_core.estimators import AcceptanceEstimator, LinearCost, MissExponentEstimator, RateEstimator
 from spec_core.fanout import fanout_for
-from spec_core.ngram import NgramIndex
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
-from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes
+from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, slot_positions
 from spec_core.transfer import to_device, to_host
 from spec_core.tree_draft import DraftRow, draft_trees
 
@@ -61,31 +61,6 @@ logger = logging.getLogger(__name__)
 
 #: Candidate ranks tracked per position for the miss-exponent estimate.
 MAX_RANK = 16
-
-
-@dataclass(slots=True)
-class DraftRequest:
-    """The drafter's view of one request: its tokens (the last is the latest bonus) and K/V progress."""
-
-    seq: Sequence
-    k: int
-    num_computed: int = 0
-    round: int = -1
-    bundle: BranchBundle | None = None
-    #: Per glue position j: the draft's ranked candidate bonus tokens (drafted token excluded), for r's estimate.
-    candidates: dict[int, list[int]] = field(default_factory=dict)
-    #: Where the speculation the current bundle was built on came from (cache, jit, prefill or backup), and
-    #: where its prompt-lookup branch starts (None: it has none).
-    base_source: str = "prefill"
-    base_lookup: int | None = None
-    #: Prompt lookup over the request's tokens, for the lookup branch of every outcome's tree, and its measures.
-    lookup: NgramIndex = field(default_factory=NgramIndex)
-    lookup_stats: LookupStats = field(default_factory=LookupStats)
-
-
-def _glue_start(r: DraftRequest) -> int:
-    """Where ``r``'s glue forward starts: its first token without K/V (the last token always re-runs)."""
-    return min(r.num_computed, r.seq.num_tokens - 1)
 
 
 class SSDDrafter:
@@ -145,14 +120,14 @@ class SSDDrafter:
 
     # ---- sampling -------------------------------------------------------------------------------------------
     def _pick_rows(self, req: DraftRequest, logits: torch.Tensor, positions: list[int]
-                   ) -> tuple[list[int], torch.Tensor | None]:
+                   ) -> tuple[list[int], torch.Tensor | None, list[list[int]] | None]:
         """:func:`drafter_service.picking.pick_rows` with this drafter's top-F for Saguaro's down-weighting."""
         top_f = max(fanout_for(self.config.fanout, req.k, self.accept_rate, self.miss_exponent))
         return pick_rows(self.config, req.seq, logits, positions, top_f)
 
     def _leaves(self, req: DraftRequest, k: int) -> list[int]:
         """Leaves per spine depth for ``req`` (:class:`spec_core.config.TreeShape`)."""
-        tree = self.config.tree if req.seq.params.greedy else self.config.sampled_tree
+        tree = self.config.tree if req.seq.params.deterministic else self.config.sampled_tree
         return self.leaves_for(k, tree) if tree.auto else tree.leaves(k)
 
     def leaves_for(self, k: int, tree: TreeShape | None = None) -> list[int]:
@@ -164,7 +139,7 @@ class SSDDrafter:
         """How many prompt-lookup nodes ``req``'s trees get in this build: none unless it is greedy and the tree has
         ``lookup``; under ``auto`` each while its measured acceptance pays its verify cost (:class:`LookupStats`)."""
         tree = self.config.tree
-        if not (tree.lookup and req.seq.params.greedy and req.k > 0):
+        if not (tree.lookup and req.seq.params.deterministic and req.k > 0):
             return 0
         steps = self.step_s if tree.auto and self.config.price_by_step else None
         base = self.step_others + 1 + req.k + sum(self._leaves(req, req.k)) if steps else 0  # all but the branch
@@ -177,7 +152,7 @@ class SSDDrafter:
     def _slot_guesses(self, req: DraftRequest, s: Speculation) -> list[int | None]:
         """Prompt lookup's guess at the bonus after every outcome slot of ``s``, where ``req``'s trees have a lookup
         branch (``SSDConfig.lookup_bonus``)."""
-        if not (self.config.lookup_bonus and self.config.tree.lookup and req.seq.params.greedy):
+        if not (self.config.lookup_bonus and self.config.tree.lookup and req.seq.params.deterministic):
             return [None] * (s.num_nodes + 1)
         req.lookup.sync(req.seq.token_ids)
         return slot_guesses(req.lookup, s)
@@ -211,8 +186,8 @@ class SSDDrafter:
             for p, j in enumerate(idx):
                 i = live[j]
                 pos = [reqs[i].seq.num_tokens + depth]
-                toks, q = self._pick_rows(reqs[i], logits[p, :width], pos)
-                (side, side_q), = pick_leaves(reqs[i].seq, logits[p, :1], toks, q, pos, leaves[i][depth])
+                toks, q, ranked = self._pick_rows(reqs[i], logits[p, :width], pos)
+                (side, side_q), = pick_leaves(reqs[i].seq, logits[p, :1], toks, q, pos, leaves[i][depth], ranked)
                 grown[i].add(toks[0], q[0] if q is not None else None, side, side_q)
                 picked.append((toks, q))
             return picked
@@ -229,7 +204,7 @@ class SSDDrafter:
     def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
         """Glue forward, fork, and K batched tree-decode steps for every request (module docstring). A request
         whose K/V does not fit in the pool gets an empty bundle (its next round misses)."""
-        glue = [r.seq.num_tokens - _glue_start(r) + s.num_nodes for r, s in zip(reqs, specs)]  # glue forward tokens
+        glue = [r.seq.num_tokens - glue_start(r) + s.num_nodes for r, s in zip(reqs, specs)]  # glue forward tokens
         budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
         fans = [self._fit_fanout(r, s, budget) for r, s in zip(reqs, specs)]
         kept = [i for i, fan in enumerate(fans) if fan is not None]
@@ -286,7 +261,7 @@ class SSDDrafter:
         glue_items = []
         for r, s in zip(reqs, specs):
             rid, n = r.seq.request_id, r.seq.num_tokens
-            c = _glue_start(r)
+            c = glue_start(r)
             pending = r.seq.token_ids[c:]
             glue_items.append(WorkItem(self._slots(rid, 0, c), pending + s.token_ids,
                                        list(range(c, n)) + [n - 1 + d for d in node_depths(s.tree_parents)],
@@ -299,18 +274,31 @@ class SSDDrafter:
             r.base_source, r.base_lookup = s.source, s.lookup_from
             roots = []
             r.candidates = {}
-            rows = glue_logits[i, : s.num_nodes + 1].clone()
-            if s.num_nodes:  # after a rejection at a slot the bonus is never one of its children's tokens (greedy)
-                drafted = to_device([[p + 1 for p in s.tree_parents], s.token_ids], rows.device, torch.long)
-                rows[drafted[0], drafted[1]] = float("-inf")
-            width = min(rows.shape[-1], max(max(fan), min(MAX_RANK, rows.shape[-1] - 1)))
-            ranked_rows = to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
+            ranked_rows = self._ranked_slots(r, s, glue_logits[i, : s.num_nodes + 1], max(fan))
             for j, ranked in enumerate(bonus_candidates(ranked_rows, s.tree_parents, s.token_ids,
                                                         self._slot_guesses(r, s))):
                 r.candidates[j] = ranked[:MAX_RANK]
                 roots.extend((j, t) for t in ranked[: fan[j]])
             branches.append(roots)
         return self._decode_branches(reqs, specs, branches)
+
+    def _ranked_slots(self, r: DraftRequest, s: Speculation, rows: torch.Tensor, fan: int) -> list[list[int]]:
+        """The candidate bonus tokens after each outcome slot of ``s`` (glue ``rows [N+1, V]``), best first, at
+        least ``fan`` and ``MAX_RANK`` of them: the draft's likeliest (a coupled request's: its race at the slot's
+        position), without the slot's own children (after a rejection there the bonus is never one of them)."""
+        width = min(rows.shape[-1], max(fan, min(MAX_RANK, rows.shape[-1] - 1)))
+        if r.seq.params.coupled and not r.seq.params.greedy:
+            children: list[set[int]] = [set() for _ in range(s.num_nodes + 1)]
+            for par, tok in zip(s.tree_parents, s.token_ids):
+                children[par + 1].add(tok)
+            ranked = race_ranking(r.seq, rows, slot_positions(r.seq.num_tokens, s.tree_parents),
+                                  max(RANK_HEAD, width + max(map(len, children))))
+            return [[t for t in row if t not in kids][:width] for row, kids in zip(ranked, children)]
+        if s.num_nodes:
+            rows = rows.clone()
+            drafted = to_device([[p + 1 for p in s.tree_parents], s.token_ids], rows.device, torch.long)
+            rows[drafted[0], drafted[1]] = float("-inf")
+        return to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
 
     def _decode_branches(self, reqs, specs, branches) -> list[BranchBundle]:
         now_tokens = [[c for _, c in br] for br in branches]
@@ -342,8 +330,8 @@ class SSDDrafter:
                 m = len(branches[i])
                 n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on
                 positions = [n + len(p) + step + 1 for p in paths[i]]
-                toks, qs = self._pick_rows(reqs[i], logits[j, :m], positions)
-                sides = pick_leaves(reqs[i].seq, logits[j, :m], toks, qs, positions, leaves[i][step])
+                toks, qs, ranked = self._pick_rows(reqs[i], logits[j, :m], positions)
+                sides = pick_leaves(reqs[i].seq, logits[j, :m], toks, qs, positions, leaves[i][step], ranked)
                 for b, (tok, (side, side_q)) in enumerate(zip(toks, sides)):
                     grown[i][b].add(tok, qs[b] if qs is not None else None, side, side_q)
                     now_tokens[i][b] = tok

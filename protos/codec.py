@@ -190,7 +190,8 @@ def result_to_json(res: pb.GenerateResult) -> dict:
 
 # ---- drafter protocol -----------------------------------------------------------------------------------------
 def sampling_spec(params: SamplingParams) -> pb.SamplingSpec:
-    spec = pb.SamplingSpec(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    spec = pb.SamplingSpec(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                           coupled=bool(params.coupled))
     if params.seed is not None:
         spec.seed = params.seed
     return spec
@@ -226,7 +227,7 @@ def event_from_pb(msg: pb.DrafterEvent) -> object:
         p = msg.prefill
         s = p.params
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                                seed=s.seed if s.HasField("seed") else None)
+                                seed=s.seed if s.HasField("seed") else None, coupled=s.coupled)
         return PrefillEvent(p.request_id, unpack_ids(p.token_ids), params, p.k)
     if kind == "outcome":
         o = msg.outcome

@@ -142,6 +142,10 @@ class SamplingParams:
     logprobs: bool = False
     #: And the ``top_logprobs`` most likely tokens at each position (0..20; > 0 implies ``logprobs``).
     top_logprobs: int = 0
+    #: Coupled sampling (:mod:`spec_core.coupling`): each token is an exact draw that depends only on the seed, its
+    #: position and the target's distribution there, never on the drafts. None: the engine's rule decides
+    #: (``EngineConfig.sampling``), which sets it on admission; ignored when greedy.
+    coupled: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -162,6 +166,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy, or coupled: the token at each position is a function of the prefix (and the seed), so a draft
+        is verified by an argmax match, needs no q rows, and any drafter (the n-gram backup too) is exact."""
+        return self.temperature == 0 or bool(self.coupled)
 
 
 def lookup_depth(k: int) -> int:
@@ -343,10 +353,14 @@ class SpeculationConfig:
     adaptive_k: bool = True
     #: SSD's candidate tree per outcome (the drafter's; the verifier reserves KV slots for it).
     tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
+    #: How sampled requests draw (the engine's ``EngineConfig.sampling``): auto, residual or coupled.
+    sampling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.sampling not in ("auto", "residual", "coupled"):
+            raise ValueError(f"sampling must be auto, residual or coupled, got {self.sampling!r}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
 

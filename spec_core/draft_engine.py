@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_core.block_manager import BlockManager, NoFreeBlocks
+from spec_core.coupling import keys_tensor, race_scores
 from spec_core.packing import reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
@@ -89,12 +90,20 @@ class BatchDrafter:
     def _sampler(self, seqs: list[Sequence]):
         """The :data:`spec_core.tree_draft.Sampler` of SD: plain q per request; greedy requests take the top
         ``width`` tokens at the root and the argmax below, and need no distributions (the verifier checks argmax
-        only). Sampled requests draw the root children i.i.d. (SpecInfer's rule samples with replacement)."""
+        only). Sampled requests draw the root children i.i.d. (SpecInfer's rule samples with replacement). Coupled
+        requests are greedy ones on their race scores (:mod:`spec_core.coupling`)."""
 
         def sample(rows: list[int], logits: torch.Tensor, width: int, depth: int):
             root = depth == 0
             sub = [seqs[i] for i in rows]
-            greedy = [s.params.greedy for s in sub]
+            greedy = [s.params.deterministic for s in sub]
+            coupled = [j for j, s in enumerate(sub) if s.params.coupled and not s.params.greedy]
+            if coupled:
+                logits = logits.clone()
+                for j in coupled:  # each row of this level picks the token at num_tokens + depth
+                    w, seq = logits.shape[1], sub[j]
+                    logits[j] = race_scores(request_probs(logits[j][None], [seq.params])[0],
+                                            keys_tensor(seq.seed, [seq.num_tokens + depth] * w, logits.device))
             probs = None if all(greedy) else request_probs(logits, [s.params for s in sub])
             picks = torch.topk(logits[:, 0], width).indices if root else logits[:, :width].argmax(-1)
             qs: list[torch.Tensor | None] = []
@@ -115,7 +124,7 @@ class BatchDrafter:
         for s in seqs:
             s.num_draft_computed = s.num_tokens  # level 0 fed the pending tokens; the nodes stay speculative
         return [TokenTree(parents=d.parents, token_ids=d.token_ids,
-                          draft_probs=None if s.params.greedy else torch.stack(d.q_rows))
+                          draft_probs=None if s.params.deterministic else torch.stack(d.q_rows))
                 for s, d in zip(seqs, drafted)]
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int = 0) -> None:

@@ -165,6 +165,7 @@ class Sequence:
 
     @property
     def reproducible(self) -> bool:
-        """A seeded sampled request: its engine keeps K fixed and waits for neural drafts instead of the n-gram
-        backup, so the same seed gives the same tokens (greedy requests are deterministic anyway)."""
-        return self.params.seed is not None and not self.params.greedy
+        """A seeded sampled request under the residual rule: its engine keeps K fixed and waits for neural drafts
+        instead of the n-gram backup, so the same seed gives the same tokens (greedy and coupled requests are
+        deterministic anyway)."""
+        return self.params.seed is not None and not self.params.deterministic

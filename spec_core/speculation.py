@@ -36,6 +36,12 @@ def node_depths(parents: list[int]) -> list[int]:
     return out
 
 
+def slot_positions(n: int, tree_parents: list[int]) -> list[int]:
+    """The position of the token each outcome slot picks, for a tree after ``n`` tokens: slot 0 (the root) the one
+    at n, node i's slot the one at n + its depth."""
+    return [n] + [n + d for d in node_depths(tree_parents)]
+
+
 def spine_length(parents: list[int] | None, n: int) -> int:
     """How many leading nodes form a chain from the root (all ``n`` when ``parents`` is None)."""
     if parents is None:

@@ -49,6 +49,7 @@ def _sampling(args: argparse.Namespace):
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         ignore_eos=args.ignore_eos,
+        coupled=None if args.sampling == "auto" else args.sampling == "coupled",
     )
 
 

@@ -49,6 +49,10 @@ def _add_serve_engine(s) -> None:
     s.add_argument("--backup-policy", choices=["auto", "neural", "fast"],
                    help="on a miss: wait for a just-in-time draft (neural), n-gram at once (fast), or by batch size "
                         "from measured timings (auto, the default: the paper's b*)")
+    s.add_argument("--sampling", choices=["auto", "residual", "coupled"],
+                   help="how sampled requests draw: residual (accept or resample), coupled (each token an exact race "
+                        "keyed by seed and position, verified by argmax match: reproducible at any K), or auto (the "
+                        "default: coupled for requests with a seed)")
     s.add_argument("--max-num-seqs", type=int, help="requests batched per verify step (default 16)")
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per verify step, prefill chunks included "
                    "(default 2048)")

@@ -104,7 +104,8 @@ def _sd_samples(target: ModelRunner, drafter: BatchDrafter) -> torch.Tensor:
     from verifier_service.engine import EngineConfig, VerifierEngine
     from verifier_service.scheduler import SchedulerConfig
 
-    engine = VerifierEngine(target, EngineConfig(4096, 8, SchedulerConfig(max_num_seqs=256, max_spec_nodes=3)),
+    engine = VerifierEngine(target, EngineConfig(4096, 8, SchedulerConfig(max_num_seqs=256, max_spec_nodes=3),
+                                                 sampling="residual"),  # the q rows under test
                             drafter=drafter, k=3)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(temperature=TEMP, seed=i, max_new_tokens=4, ignore_eos=True))
             for i in range(N)]

@@ -213,7 +213,7 @@ def test_sampled_rows_equal_the_per_request_computation():
     from spec_core.sampling import request_probs
     from spec_core.sequence import VERIFY
     from spec_core.tree import stochastic_verify_tree_path
-    from verifier_service.engine import sampled_rows
+    from verifier_service.target_rows import sampled_rows
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 3, 50, generator=gen) * 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def test_regenerating_stubs_gives_no_diff(tmp_path: Path) -> None:
 
 def test_events_round_trip() -> None:
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11)
-    for ev in (PrefillEvent("r1", [1, 2, 3], params, 4),
+    for ev in (PrefillEvent("r1", [1, 2, 3], params, 4), PrefillEvent("r1", [1, 2, 3], replace(params, coupled=True), 4),
                OutcomeEvent("r1", 3, [5, 6, 7], 2, 9, 4, verify_s=0.01),
                OutcomeEvent("r1", 4, [5], 1, 9, 4, step_s=[0.25, 0.25, 0.5], step_others=7),  # float32-exact
                FreeEvent("r1")):
@@ -32,7 +33,7 @@ def test_events_round_trip() -> None:
         if isinstance(ev, PrefillEvent):
             assert (back.request_id, back.token_ids, back.k) == ("r1", [1, 2, 3], 4)
             p = back.params
-            assert (p.top_k, p.seed) == (5, 11)
+            assert (p.top_k, p.seed, p.coupled) == (5, 11, bool(ev.params.coupled))
             assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
         else:
             assert back == ev

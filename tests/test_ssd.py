@@ -234,8 +234,8 @@ def test_local_drafter_killed_mid_stream_recovers(tiny_models):
 
 
 
-def test_seeded_sampling_gives_the_same_tokens_in_every_regime(tiny_models):
-    """A seeded sampled request's tokens do not depend on whether its rounds hit a pre-drafted branch, were
+def test_seeded_residual_sampling_gives_the_same_tokens_in_every_regime(tiny_models):
+    """Under the residual rule (coupled requests: tests/test_coupled_ssd.py), a seeded sampled request's tokens do not depend on whether its rounds hit a pre-drafted branch, were
     drafted just in time, or would have fallen back to the n-gram backup (which a seeded request waits out).
     In-process transport, so each regime is forced exactly (over ``ssd serve``: tests/test_openai_http.py)."""
     from drafter_service.loopback import LoopbackLink
@@ -251,8 +251,8 @@ def test_seeded_sampling_gives_the_same_tokens_in_every_regime(tiny_models):
     def run(drop_cache: bool = False, jit: bool = True):
         drafter = SSDDrafter(draft, SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=drop_cache))
         proposer = SSDProposer(LoopbackLink(drafter, jit=jit), 256, wait_fraction=0.5 if jit else 0.0)
-        engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4, max_spec_nodes=3)),
-                                drafter=proposer, k=3)
+        engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4, max_spec_nodes=3),
+                                                     sampling="residual"), drafter=proposer, k=3)
         seqs = [Sequence(str(i), p, SamplingParams(temperature=0.5, seed=100 + i, max_new_tokens=16,
                                                     ignore_eos=True)) for i, p in enumerate(prompts)]
         for s in seqs:

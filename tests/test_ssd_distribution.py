@@ -86,17 +86,19 @@ class DrafterDown:
 
 
 def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, backup_greedy_match: bool = False,
-            sibling_recursion: bool = True):
+            sibling_recursion: bool = True, sampling: str = "residual", couple_by_position: bool = True):
     """``regime``: hits (the drafter's cache), jit (it drops its cache: every round drafted just in time) or
-    backup (no drafter: every round an n-gram proposal)."""
+    backup (no drafter: every round an n-gram proposal). ``sampling``: the engine's rule (the requests are seeded,
+    which ``auto`` would couple); coupled requests draft the greedy tree, so it is ``TREE`` too."""
     cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=8), saguaro_c=c, num_blocks=8192, block_size=8,
-                    drop_cache=regime == "jit", ship_raw_q=ship_raw_q, sampled_tree=TREE)
+                    drop_cache=regime == "jit", ship_raw_q=ship_raw_q, sampled_tree=TREE, tree=TREE)
     link = DrafterDown() if regime == "backup" else LoopbackLink(SSDDrafter(draft, cfg))
     proposer = SSDProposer(link, VOCAB, backup_greedy_match=backup_greedy_match, wait_fraction=0.5,
                            backup_policy="neural")
     engine = VerifierEngine(target, EngineConfig(8192, 8, SchedulerConfig(max_num_seqs=512,
                                                                            max_spec_nodes=cfg.max_nodes),
-                                                 sibling_recursion=sibling_recursion),
+                                                 sibling_recursion=sibling_recursion, sampling=sampling,
+                                                 couple_by_position=couple_by_position),
                             drafter=proposer, k=K)
     seqs = [Sequence(str(i), PROMPT, SamplingParams(temperature=TEMP, seed=i, max_new_tokens=M, ignore_eos=True))
             for i in range(N)]
@@ -171,4 +173,27 @@ def test_control_tree_without_sibling_recursion_fails(pair, tables):
     p = min_pvalue(out, tables)
     _report("control no sibling recursion", stats, p)
     _check_regime(stats, "hits")
+    assert p < 1e-6
+
+
+@pytest.mark.parametrize("regime", ["hits", "jit", "backup"])
+def test_coupled_ssd_matches_target_distribution(pair, tables, regime, monkeypatch):
+    """Coupled sampling (spec_core.coupling) through the same loop: each tree verified by argmax match against the
+    target's races at its nodes' positions, backup chains too. A 3-token head, so among 8 tokens the tail's racer
+    wins often and its inverse-CDF pick is exercised."""
+    from spec_core import coupling
+
+    monkeypatch.setattr(coupling, "COUPLE_HEAD", 3)
+    out, stats = run_ssd(*pair, 1.0, regime, sampling="coupled")
+    p = min_pvalue(out, tables)
+    _report(f"coupled {regime}", stats, p)
+    _check_regime(stats, regime)
+    assert p > 1e-3
+
+
+def test_control_coupled_races_not_keyed_by_position_fail(pair, tables):
+    """One race noise for all of a request's positions: its tokens are correlated."""
+    out, stats = run_ssd(*pair, 1.0, "hits", sampling="coupled", couple_by_position=False)
+    p = min_pvalue(out, tables)
+    _report("control coupled without position", stats, p)
     assert p < 1e-6

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,7 +22,6 @@ from spec_core.block_manager import BlockManager
 from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
-from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import VERIFY, Sequence
 from spec_core.timing import DeviceTimer
 from spec_core.transfer import crossings, to_device, to_host
@@ -33,8 +32,13 @@ from spec_core.tree import (
     stochastic_verify_tree_path,
 )
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verifier_service.target_rows import SampledRows, coupled_rows, sampled_rows
 
 logger = logging.getLogger(__name__)
+
+
+#: The sampling rules of :attr:`EngineConfig.sampling`.
+SAMPLING_RULES = ("auto", "residual", "coupled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,20 @@ class EngineConfig:
     group_overhead_tokens: int | None = None
     #: NEGATIVE CONTROL ONLY: verify sampled trees without sibling recursion (biased; see spec_core.tree).
     sibling_recursion: bool = True
+    #: How sampled requests draw: ``residual`` (speculative sampling's accept-or-resample with q rows), ``coupled``
+    #: (:mod:`spec_core.coupling`: each token an exact race that depends only on the seed and the position,
+    #: verified by argmax match), or ``auto``: coupled for seeded requests, which it keeps reproducible at any K,
+    #: with the n-gram backup and without waiting for neural drafts (the residual rule's price for that was a fixed
+    #: K and those waits), and residual for the rest, measured faster on a CPU where speculation barely pays.
+    #: All are exact. A request whose params say (``SamplingParams.coupled`` not None) keeps its rule.
+    sampling: str = "auto"
+    #: NEGATIVE CONTROL ONLY: key a coupled request's races by its seed alone, not by position (one noise for all
+    #: its tokens, so they are correlated: biased).
+    couple_by_position: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLING_RULES:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling!r}")
 
 
 @dataclass(slots=True)
@@ -111,6 +129,10 @@ class VerifierEngine:
         if seq.num_tokens >= limit:
             raise ValueError(f"request {seq.request_id}: {seq.num_tokens} tokens; the context limit is {limit}")
         seq.max_len = min(seq.max_len, limit)
+        if seq.params.coupled is None:
+            rule = self.config.sampling
+            coupled = rule == "coupled" or (rule == "auto" and seq.params.seed is not None)
+            seq.params = replace(seq.params, coupled=coupled and not seq.params.greedy)
         seq.stats = DecodeStats()
         self.scheduler.add(seq)
 
@@ -162,7 +184,7 @@ class VerifierEngine:
                 ) -> tuple[list[int], list[int]]:
         """(emitted tokens: accepted path + one, accepted node indices) from the row argmaxes (on the host) of
         ``logits [N+1, V]``, or for a sampled request from its probabilities and plain draw in ``sampled``."""
-        if seq.params.greedy:
+        if seq.params.deterministic:  # greedy, or coupled (``argmax`` holds its race winners)
             return greedy_verify_tree_path(argmax, tree)
         if seq.request_id in sampled.picks:
             return [sampled.picks[seq.request_id]], []
@@ -222,14 +244,17 @@ class VerifierEngine:
             self.drafter.observe_verify_time(forward_s, sum(len(it.token_ids) for it in items))
         finished, moves = [], ([], [])
         sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and not w.seq.params.greedy])
+                                        if tree is not None and not w.seq.params.deterministic])
+        coupled = coupled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
+                                        if tree is not None and w.seq.params.coupled and not w.seq.params.greedy],
+                               self.config.couple_by_position)
         for b, (w, tree) in enumerate(zip(work, chosen)):
             w.seq.stats.verify_s += forward_s
             if tree is None:
                 w.seq.num_computed += w.num_pending
                 continue
-            self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1], argmax[b][: tree.num_nodes + 1], moves,
-                        sampled)
+            picks = coupled.get(w.seq.request_id) or argmax[b][: tree.num_nodes + 1]
+            self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1], picks, moves, sampled)
             if w.seq.finished:
                 finished.append(w.seq)
         self.cache.copy_slots(*moves)  # before any block is handed out again (next step's schedule)
@@ -285,44 +310,6 @@ class VerifierEngine:
             for seq in self.step():
                 if on_finish is not None:
                     on_finish(seq)
-
-
-@dataclass(slots=True)
-class SampledRows:
-    """A step's sampled requests: each one's target probabilities ``[N+1, V]`` (by request id), and for those
-    with nothing to verify (a plain round) the token already drawn."""
-
-    probs: dict[str, torch.Tensor] = field(default_factory=dict)
-    picks: dict[str, int] = field(default_factory=dict)
-
-
-def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]]) -> SampledRows:
-    """One :func:`request_probs` over every sampled request's rows (``(b, seq, tree)``: its batch row b of
-    ``logits [B, L, V]`` and its tree), and one draw for every plain round among them, instead of a softmax and
-    a draw per request (int4 at batch 16, T = 0.8: ITL 107.3 → 105.1 ms). Each row's arithmetic is its own, so the
-    values are those of the per-request calls (requests are grouped by which top-k/top-p filters they use, since
-    a filter runs on every row of a call); a plain round's draw uses its verification uniform, as
-    :func:`stochastic_verify_tree_path` does for an empty tree."""
-    out = SampledRows()
-    groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
-    for b, seq, tree in requests:  # a filter applied to a whole call (top-k 0 or top-p 1 rows too) may round them
-        groups.setdefault((seq.params.top_k > 0, seq.params.top_p < 1), []).append((b, seq, tree))  # differently
-    for group in groups.values():
-        index = to_device([[b for b, _, t in group for _ in range(t.num_nodes + 1)],
-                           [i for _, _, t in group for i in range(t.num_nodes + 1)]], logits.device, torch.long)
-        probs = request_probs(logits[index[0], index[1]][:, None],
-                              [seq.params for _, seq, t in group for _ in range(t.num_nodes + 1)])[:, 0]
-        start, plain = 0, []
-        for _, seq, tree in group:
-            out.probs[seq.request_id] = probs[start : start + tree.num_nodes + 1]
-            if not tree.num_nodes and not tree.greedy_match:
-                plain.append((seq, start))
-            start += tree.num_nodes + 1
-        if plain:
-            u = torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain])
-            drawn = to_host(sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u))
-            out.picks.update({seq.request_id: int(t) for (seq, _), t in zip(plain, drawn)})
-    return out
 
 
 def _emitted_logprobs(logits: torch.Tensor, path: list[int], emitted: list[int],

@@ -176,7 +176,8 @@ class VerifierServer:
         blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, target.kv_bytes_per_token(),
                              cache.block_size, target.device, 2048)
         logger.info("verifier KV pool: %d blocks of %d tokens", blocks, cache.block_size)
-        engine = VerifierEngine(target, EngineConfig(blocks, cache.block_size, sched), drafter=proposer,
+        engine = VerifierEngine(target, EngineConfig(blocks, cache.block_size, sched, sampling=sp.sampling),
+                                drafter=proposer,
                                 k=sp.k if proposer is not None else 0)
         if sp.adaptive_k and proposer is not None:
             from verifier_service.adaptive import AdaptiveK

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -147,7 +148,9 @@ class SSDProposer:
             st = self.state.get(seq.request_id)
             if st is None:  # first round: the drafter catches up on the prompt while the target prefills
                 self.state[seq.request_id] = SSDRequestState(asked={0} if k > 0 else set())  # round 0's bundle
-                self.link.send(PrefillEvent(seq.request_id, seq.token_ids, seq.params, k))
+                # a coupled request's drafter races with this side's seed (spec_core.coupling)
+                params = replace(seq.params, seed=seq.seed) if seq.params.coupled else seq.params
+                self.link.send(PrefillEvent(seq.request_id, seq.token_ids, params, k))
                 specs[seq.request_id] = None
                 continue
             st.miss_kind = "no_bundle"
@@ -275,9 +278,10 @@ class SSDProposer:
         if not tokens:
             return TokenTree(parents=[], token_ids=[], draft_probs=None)
         self.stats.backup += 1
-        if self.backup_greedy_match and not seq.params.greedy:
+        if self.backup_greedy_match and not seq.params.deterministic:
             return TokenTree(list(range(-1, len(tokens) - 1)), tokens, None, greedy_match=True)
-        return TokenTree.chain(tokens, None if seq.params.greedy else one_hot_rows(tokens, self.vocab_size, self.device))
+        return TokenTree.chain(tokens, None if seq.params.deterministic
+                               else one_hot_rows(tokens, self.vocab_size, self.device))
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int) -> None:
         """Tell the drafter the outcome of this round right away (it starts the next bundle on it)."""

@@ -208,16 +208,18 @@ class HelloAck(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., affinity: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "coupled")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    COUPLED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    coupled: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., coupled: _Optional[bool] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("request_id", "token_ids", "params", "k")

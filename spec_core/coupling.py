@@ -1,0 +1,127 @@
+"""Coupled sampling: a sampled token that is a function of (seed, position, distribution), drawn exactly.
+
+A coupled request's token at position t is the winner of an *exponential race* over the target's distribution p
+there (after temperature, top-k and top-p): every token v runs with time E_v / p_v, E_v ~ Exp(1), and the fastest
+wins, which happens with probability exactly p_v. The E_v come from a hash of (the request's seed, t, v), so they
+are fresh at every position (independent of the prefix that produced p) and the same on every device and process
+that computes them. Two consequences:
+
+- **Drafter invariance.** The verifier's token at t depends only on p and the seed, never on what was drafted, the
+  round, the batch or the timing. So verification is an argmax match (as for greedy requests), drafts need no q
+  rows, the n-gram backup is as exact as the neural draft, and a seeded request is reproducible in every regime.
+- **Predictable outcomes.** The drafter runs the same race over its own q with the same E_v. Its winner is the
+  target's whenever q and p agree on the race (on the real pair at T = 0.8: 0.35 of positions, against 0.37 for
+  the residual rule's 1 - TV), and after a rejection its next racers are its guesses at the bonus token: SSD's
+  outcome prediction works as it does for greedy requests, where the residual rule's bonus is a fresh draw.
+
+The race is run over the ``head`` likeliest tokens one by one, and over the rest as one racer: the minimum of
+independent Exp(p_v) times over the tail is Exp(P(tail)), and the tail's winner is distributed as p within the tail,
+so an inverse-CDF draw there (its own keyed uniform) picks it. Which tokens form the head depends only on p, so the
+draw stays exact; it only couples the two sides' races less where a token is in one side's head and not the other's.
+
+:func:`coupled_picks` gives the verifier's exact draws. :func:`race_scores` gives the drafter's race (the head only:
+a guess need not be exact) as scores, log p_v - log E_v for the racers and -inf elsewhere: their argmax is the
+head's winner and their order the race's, so the greedy code paths (top-n leaves and bonus candidates) run on them
+unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from spec_core.sampling import sample_from_probs
+from spec_core.transfer import to_device, to_host
+
+#: Tokens raced one by one; the rest race as one (module docstring).
+COUPLE_HEAD = 64
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**31, so a 32-bit value times it stays inside int64
+_TAIL_TIME, _TAIL_PICK = 0x7FFFFFFF, 0x7FFFFFFE  # hash inputs of the tail's race time and its inverse-CDF draw
+_PURPOSE = 0xC0
+
+
+def coupling_keys(seed: int, positions: Sequence[int]) -> list[list[int]]:
+    """Per position, the two 32-bit words that key its race (BLAKE2b of seed and position)."""
+    out = []
+    for t in positions:
+        digest = hashlib.blake2b(struct.pack("<QQ", seed % (1 << 64), (_PURPOSE << 40) | t), digest_size=8).digest()
+        lo, hi = struct.unpack("<II", digest)
+        out.append([lo, hi])
+    return out
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xorshift-multiply) on int64 tensors holding values below 2**32."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def _mix_np(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix` on uint32 arrays (whose products wrap modulo 2**32, as the int64 path masks them)."""
+    x = ((x >> 16) ^ x) * np.uint32(_MUL)
+    x = ((x >> 16) ^ x) * np.uint32(_MUL)
+    return (x >> 16) ^ x
+
+
+def keyed_uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) (23 bits, never 0 or 1) for ``ids [N, M]`` (int64, < 2**31) under ``keys [N, 2]``. The
+    same integers on every device: host tensors take a numpy path (a few dozen small torch ops cost more than the
+    top-k they follow), device tensors stay on their device."""
+    if ids.device.type == "cpu":
+        k = keys.numpy().astype(np.uint32)
+        x = _mix_np(_mix_np(ids.numpy().astype(np.uint32) ^ k[:, :1]) ^ k[:, 1:])
+        return torch.from_numpy(((x >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23))
+    x = _mix(_mix(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    return ((x >> 9).float() + 0.5) * 2.0**-23
+
+
+def _head_race(probs: torch.Tensor, keys: torch.Tensor, head: int, tail: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(scores ``[N, H]`` = log p_v - log E_v of the ``head`` likeliest tokens, their ids ``[N, H]``, and with
+    ``tail`` the uniforms ``[N, 2]`` of the tail's race time and of its inverse-CDF pick), one hash call."""
+    hv, hi = probs.topk(min(head, probs.shape[-1]), dim=-1)
+    ids = hi
+    if tail:
+        n = keys.shape[0]
+        ids = torch.cat([hi, torch.full((n, 1), _TAIL_TIME, dtype=torch.long, device=keys.device),
+                         torch.full((n, 1), _TAIL_PICK, dtype=torch.long, device=keys.device)], dim=1)
+    u = keyed_uniforms(keys, ids)
+    h = hi.shape[1]
+    return torch.log(hv) - torch.log(-torch.log(u[:, :h])), hi, u[:, h:] if tail else None
+
+
+def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = None) -> list[int]:
+    """The exact coupled draw of each row of ``probs [N, V]`` (rows sum to 1) under ``keys [N, 2]`` (int64, on the
+    probs' device), on the host: the head's winner, or where the tail's one racer is faster, the tail's inverse-CDF
+    pick (computed only for those rows: the tail wins about as often as it has mass). ``head``: default
+    :data:`COUPLE_HEAD`."""
+    scores, ids, u = _head_race(probs, keys, head or COUPLE_HEAD, tail=True)
+    best, at = scores.max(-1)
+    tail = probs.scatter(-1, ids, 0.0)
+    tail_score = torch.log(tail.sum(-1)) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
+    packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
+    picks = [int(t) for t, _ in packed]
+    tail_rows = [i for i, (_, won) in enumerate(packed) if won]
+    if tail_rows:
+        rows = to_device(tail_rows, probs.device, torch.long)
+        for i, t in zip(tail_rows, to_host(sample_from_probs(tail[rows], u[rows, 1]))):
+            picks[i] = int(t)
+    return picks
+
+
+def race_scores(probs: torch.Tensor, keys: torch.Tensor, head: int = COUPLE_HEAD) -> torch.Tensor:
+    """The drafter's race as scores ``[N, V]``: the head's (:func:`coupled_picks` without the tail, so its winner
+    is the verifier's draw whenever the head wins there and the two distributions agree), -inf elsewhere."""
+    scores, ids, _ = _head_race(probs, keys, head, tail=False)
+    return torch.full_like(probs, float("-inf")).scatter_(-1, ids, scores)
+
+
+def keys_tensor(seed: int, positions: Sequence[int], device: torch.device) -> torch.Tensor:
+    """:func:`coupling_keys` on ``device`` (one upload)."""
+    return to_device(coupling_keys(seed, positions), device, torch.long)
