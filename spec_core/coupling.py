@@ -81,19 +81,20 @@ def keyed_uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) * 2.0**-23
 
 
-def _head_race(probs: torch.Tensor, keys: torch.Tensor, head: int, tail: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(scores ``[N, H]`` = log p_v - log E_v of the ``head`` likeliest tokens, their ids ``[N, H]``, and with
-    ``tail`` the uniforms ``[N, 2]`` of the tail's race time and of its inverse-CDF pick), one hash call."""
-    hv, hi = probs.topk(min(head, probs.shape[-1]), dim=-1)
-    ids = hi
-    if tail:
-        n = keys.shape[0]
-        ids = torch.cat([hi, torch.full((n, 1), _TAIL_TIME, dtype=torch.long, device=keys.device),
-                         torch.full((n, 1), _TAIL_PICK, dtype=torch.long, device=keys.device)], dim=1)
-    u = keyed_uniforms(keys, ids)
-    h = hi.shape[1]
-    return torch.log(hv) - torch.log(-torch.log(u[:, :h])), hi, u[:, h:] if tail else None
+def _tail_ids(keys: torch.Tensor) -> torch.Tensor:
+    """``[N, 2]``: the hash inputs of the tail's race time and of its inverse-CDF pick."""
+    n = keys.shape[0]
+    return torch.cat([torch.full((n, 1), _TAIL_TIME, dtype=torch.long, device=keys.device),
+                      torch.full((n, 1), _TAIL_PICK, dtype=torch.long, device=keys.device)], dim=1)
+
+
+def _head_race_scores(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, tail: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(scores ``[N, H]`` = log p_v - log E_v of the head tokens ``ids`` with probabilities ``hv``, their ids, and
+    with ``tail`` the uniforms ``[N, 2]`` of the tail's race time and of its inverse-CDF pick), one hash call."""
+    h = ids.shape[1]
+    u = keyed_uniforms(keys, torch.cat([ids, _tail_ids(keys)], dim=1) if tail else ids)
+    return torch.log(hv) - torch.log(-torch.log(u[:, :h])), ids, u[:, h:] if tail else None
 
 
 def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = None) -> list[int]:
@@ -101,24 +102,48 @@ def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = No
     probs' device), on the host: the head's winner, or where the tail's one racer is faster, the tail's inverse-CDF
     pick (computed only for those rows: the tail wins about as often as it has mass). ``head``: default
     :data:`COUPLE_HEAD`."""
-    scores, ids, u = _head_race(probs, keys, head or COUPLE_HEAD, tail=True)
-    best, at = scores.max(-1)
-    tail = probs.scatter(-1, ids, 0.0)
-    tail_score = torch.log(tail.sum(-1)) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
-    packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
-    picks = [int(t) for t, _ in packed]
-    tail_rows = [i for i, (_, won) in enumerate(packed) if won]
+    hv, ids = probs.topk(min(head or COUPLE_HEAD, probs.shape[-1]), dim=-1)
+    # The tail's mass as 1 - the head's (no pass over the vocabulary; off by the rows' rounding, ~1e-7). Where the
+    # tail is in fact empty (under top-k) and its racer "wins" on that rounding, the check below keeps the head's.
+    mass = (1.0 - hv.double().sum(-1)).clamp(min=0.0).float()
+    if probs.device.type == "cpu":  # the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
+        picks, tail_won, u_pick = _race_host(keys, hv, ids, mass)
+    else:
+        scores, _, u = _head_race_scores(keys, hv, ids)
+        best, at = scores.max(-1)
+        tail_score = torch.log(mass) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
+        packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
+        picks, tail_won, u_pick = [int(t) for t, _ in packed], [bool(w) for _, w in packed], u[:, 1]
+    tail_rows = [i for i, won in enumerate(tail_won) if won]
     if tail_rows:
         rows = to_device(tail_rows, probs.device, torch.long)
-        for i, t in zip(tail_rows, to_host(sample_from_probs(tail[rows], u[rows, 1]))):
-            picks[i] = int(t)
+        tail = probs[rows].scatter(-1, ids[rows], 0.0)
+        drawn = torch.stack([sample_from_probs(tail, u_pick[rows]), (tail.sum(-1) > 0).long()], dim=1)
+        for i, (t, nonempty) in zip(tail_rows, to_host(drawn)):
+            if nonempty:
+                picks[i] = int(t)
     return picks
+
+
+def _race_host(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
+               ) -> tuple[list[int], list[bool], torch.Tensor]:
+    """:func:`coupled_picks`' race on host tensors, in numpy: (head winners, whether the tail's racer beat them,
+    the tail picks' uniforms)."""
+    h = ids.shape[1]
+    u = keyed_uniforms(keys, torch.cat([ids, _tail_ids(keys)], dim=1)).numpy()
+    with np.errstate(divide="ignore"):
+        scores = np.log(hv.numpy()) - np.log(-np.log(u[:, :h]))
+        tail_score = np.log(mass.numpy()) - np.log(-np.log(u[:, h]))
+    at = scores.argmax(-1)
+    rows = np.arange(len(at))
+    return ids.numpy()[rows, at].tolist(), (tail_score > scores[rows, at]).tolist(), torch.from_numpy(u[:, h + 1])
 
 
 def race_scores(probs: torch.Tensor, keys: torch.Tensor, head: int = COUPLE_HEAD) -> torch.Tensor:
     """The drafter's race as scores ``[N, V]``: the head's (:func:`coupled_picks` without the tail, so its winner
     is the verifier's draw whenever the head wins there and the two distributions agree), -inf elsewhere."""
-    scores, ids, _ = _head_race(probs, keys, head, tail=False)
+    hv, hi = probs.topk(min(head, probs.shape[-1]), dim=-1)
+    scores, ids, _ = _head_race_scores(keys, hv, hi, tail=False)
     return torch.full_like(probs, float("-inf")).scatter_(-1, ids, scores)
 
 
