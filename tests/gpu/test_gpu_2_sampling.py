@@ -68,3 +68,20 @@ def test_ssd_sampled_completes(fp32_pair, real_pair, prompts, cores, log):
                 (len(seq.output_ids), seq.finish_reason)
             assert all(0 <= t < vocab for t in seq.output_ids), seq.output_ids
         assert local.restarts == 0, f"the drafter process died {local.restarts} time(s) during the run"
+
+
+def test_coupled_picks_are_the_same_on_the_device_and_the_host(device, log):
+    """Coupled sampling's race (spec_core.coupling) runs in torch on a device and in numpy on the host: the same
+    integers, so the same picks but for a near-tie that a last-bit difference in ``log`` could flip."""
+    import torch
+
+    from spec_core.coupling import coupled_picks, coupling_keys
+
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(256, 49152, generator=gen) * 3, -1)
+    keys = torch.tensor(coupling_keys(5, range(256)))
+    host = coupled_picks(probs, keys)
+    on_device = coupled_picks(probs.to(device), keys.to(device))
+    same = sum(a == b for a, b in zip(host, on_device))
+    log(f"coupled picks, device vs host: {same}/256 the same")
+    assert same >= 254
