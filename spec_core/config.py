@@ -117,6 +117,9 @@ class ModelConfig:
         return resolve_dtype(self.dtype, self.device)
 
 
+#: How an engine's sampled requests draw (``EngineConfig.sampling``; :mod:`spec_core.coupling`).
+SAMPLING_RULES = ("auto", "residual", "coupled")
+
 #: The most alternatives a request may ask for at each position (OpenAI allows 20).
 MAX_TOP_LOGPROBS = 20
 
@@ -359,8 +362,8 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.sampling not in ("auto", "residual", "coupled"):
-            raise ValueError(f"sampling must be auto, residual or coupled, got {self.sampling!r}")
+        if self.sampling not in SAMPLING_RULES:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING_RULES)}, got {self.sampling!r}")
         if self.k < 0:
             raise ValueError(f"k must be >= 0, got {self.k}")
 

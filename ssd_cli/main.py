@@ -12,7 +12,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from spec_core.prompts import CHAT_SETS  # stdlib-only: the CLI's choices, before torch
+from spec_core.config import SAMPLING_RULES  # stdlib-only: the CLI's choices, before torch
+from spec_core.prompts import CHAT_SETS
 
 logger = logging.getLogger("ssd")
 
@@ -35,7 +36,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "CPU loops, built once per machine; never for fp32)")
 
 
-SAMPLING_CHOICES = ("auto", "residual", "coupled")
 SAMPLING_HELP = ("residual (accept or resample), coupled (each token an exact race keyed by seed and position, "
                  "verified by argmax match: reproducible at any K) or auto (default: coupled when --seed is given)")
 
@@ -46,7 +46,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--sampling", choices=SAMPLING_CHOICES, default="auto", help=SAMPLING_HELP)
+    p.add_argument("--sampling", choices=SAMPLING_RULES, default="auto", help=SAMPLING_HELP)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
 
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from measured costs, as ssd serve does)")
     b.add_argument("--seeded", action="store_true",
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
-    b.add_argument("--sampling", choices=SAMPLING_CHOICES, default="auto",
+    b.add_argument("--sampling", choices=SAMPLING_RULES, default="auto",
                    help="how the ssd modes' sampled requests draw: " + SAMPLING_HELP)
     b.add_argument("--prompt-set", choices=["humaneval", *CHAT_SETS], default="humaneval",
                    help="HumanEval prompts (default), our own chat questions, or ood: requests far from the "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from spec_core.block_manager import BlockManager
+from spec_core.config import SAMPLING_RULES
 from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
@@ -35,10 +36,6 @@ from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from verifier_service.target_rows import SampledRows, coupled_rows, sampled_rows
 
 logger = logging.getLogger(__name__)
-
-
-#: The sampling rules of :attr:`EngineConfig.sampling`.
-SAMPLING_RULES = ("auto", "residual", "coupled")
 
 
 @dataclass(frozen=True, slots=True)
