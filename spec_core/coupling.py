@@ -106,14 +106,9 @@ def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = No
     # The tail's mass as 1 - the head's (no pass over the vocabulary; off by the rows' rounding, ~1e-7). Where the
     # tail is in fact empty (under top-k) and its racer "wins" on that rounding, the check below keeps the head's.
     mass = (1.0 - hv.double().sum(-1)).clamp(min=0.0).float()
-    if probs.device.type == "cpu":  # the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
-        picks, tail_won, u_pick = _race_host(keys, hv, ids, mass)
-    else:
-        scores, _, u = _head_race_scores(keys, hv, ids)
-        best, at = scores.max(-1)
-        tail_score = torch.log(mass) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
-        packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
-        picks, tail_won, u_pick = [int(t) for t, _ in packed], [bool(w) for _, w in packed], u[:, 1]
+    # on the host the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
+    race = _race_host if probs.device.type == "cpu" else _race_device
+    picks, tail_won, u_pick = race(keys, hv, ids, mass)
     tail_rows = [i for i, won in enumerate(tail_won) if won]
     if tail_rows:
         rows = to_device(tail_rows, probs.device, torch.long)
@@ -123,6 +118,17 @@ def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = No
             if nonempty:
                 picks[i] = int(t)
     return picks
+
+
+def _race_device(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
+                 ) -> tuple[list[int], list[bool], torch.Tensor]:
+    """:func:`coupled_picks`' race in torch, on the probabilities' device (one download): (head winners, whether the
+    tail's racer beat them, the tail picks' uniforms)."""
+    scores, _, u = _head_race_scores(keys, hv, ids)
+    best, at = scores.max(-1)
+    tail_score = torch.log(mass) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
+    packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
+    return [int(t) for t, _ in packed], [bool(w) for _, w in packed], u[:, 1]
 
 
 def _race_host(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
