@@ -287,7 +287,7 @@ class SSDDrafter:
         least ``fan`` and ``MAX_RANK`` of them: the draft's likeliest (a coupled request's: its race at the slot's
         position), without the slot's own children (after a rejection there the bonus is never one of them)."""
         width = min(rows.shape[-1], max(fan, min(MAX_RANK, rows.shape[-1] - 1)))
-        if r.seq.params.coupled and not r.seq.params.greedy:
+        if r.seq.params.coupled:
             children: list[set[int]] = [set() for _ in range(s.num_nodes + 1)]
             for par, tok in zip(s.tree_parents, s.token_ids):
                 children[par + 1].add(tok)

@@ -147,7 +147,7 @@ class SamplingParams:
     top_logprobs: int = 0
     #: Coupled sampling (:mod:`spec_core.coupling`): each token is an exact draw that depends only on the seed, its
     #: position and the target's distribution there, never on the drafts. None: the engine's rule decides
-    #: (``EngineConfig.sampling``), which sets it on admission; ignored when greedy.
+    #: (``EngineConfig.sampling``), which sets it on admission; always False when greedy.
     coupled: bool | None = None
 
     def __post_init__(self) -> None:
@@ -165,6 +165,8 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             object.__setattr__(self, "logprobs", True)
+        if self.coupled and self.temperature == 0:  # greedy is already deterministic: ``coupled`` means sampled
+            object.__setattr__(self, "coupled", False)
 
     @property
     def greedy(self) -> bool:

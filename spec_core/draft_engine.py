@@ -97,7 +97,7 @@ class BatchDrafter:
             root = depth == 0
             sub = [seqs[i] for i in rows]
             greedy = [s.params.deterministic for s in sub]
-            coupled = [j for j, s in enumerate(sub) if s.params.coupled and not s.params.greedy]
+            coupled = [j for j, s in enumerate(sub) if s.params.coupled]
             if coupled:
                 logits = logits.clone()
                 for j in coupled:  # each row of this level picks the token at num_tokens + depth

@@ -35,6 +35,25 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+class DrafterDown:
+    """A drafter link whose drafter is gone: every SSD round is served by the backup (the forced-backup regime; a
+    seeded residual request only waits for a neural draft while its drafter lives)."""
+
+    alive = False
+
+    def send(self, msg: object) -> None: ...
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return False
+
+    def recv(self) -> object:
+        raise EOFError
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def tiny_config(family: str, vocab_size: int = 256, **overrides):
     """A random tiny config; ``initializer_range`` 0.2 keeps argmax ties away (see the Foundation issue)."""
     from transformers import LlamaConfig, Qwen3Config

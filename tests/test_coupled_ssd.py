@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import DrafterDown
 
 from drafter_service.loopback import LoopbackLink
 from drafter_service.ssd_drafter import SSDDrafter
@@ -25,24 +26,6 @@ from verifier_service.ssd_proposer import SSDProposer
 
 K = 3
 NEW = 24
-
-
-class _DrafterDown:
-    """No drafter: every SSD round is an n-gram backup proposal."""
-
-    alive = False
-
-    def send(self, msg: object) -> None: ...
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        return False
-
-    def recv(self) -> object:
-        raise EOFError
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def _prompts() -> list[list[int]]:
@@ -68,7 +51,7 @@ def _run(target: ModelRunner, drafter=None, k: int = K, sampling: str = "coupled
 def _ssd(draft: ModelRunner, link: str = "loopback", drop_cache: bool = False) -> SSDProposer:
     cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=6), drop_cache=drop_cache, tree=TreeShape.uniform(2, 2))
     if link == "down":
-        return SSDProposer(_DrafterDown(), 256, wait_fraction=0.0, backup_policy="neural", max_nodes=cfg.max_nodes)
+        return SSDProposer(DrafterDown(), 256, wait_fraction=0.0, backup_policy="neural", max_nodes=cfg.max_nodes)
     return SSDProposer(LoopbackLink(SSDDrafter(draft, cfg)), 256, wait_fraction=0.5, backup_policy="neural",
                        max_nodes=cfg.max_nodes)
 

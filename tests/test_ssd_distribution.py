@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import save_noisy_copy, save_tiny_model
+from conftest import DrafterDown, save_noisy_copy, save_tiny_model
 from scipy.stats import chisquare
 
 from drafter_service.loopback import LoopbackLink
@@ -64,25 +64,6 @@ def exact_pairs(target: ModelRunner, m: int = M, vocab: int = VOCAB, prompt: lis
         prefixes = torch.cat([prefixes.repeat_interleave(v, 0), torch.arange(v).repeat(n)[:, None]], dim=1)
     full = joint.view(*([v] * m))
     return [full.sum(dim=tuple(d for d in range(m) if d not in (i, i + 1))) for i in range(m - 1)]
-
-
-class DrafterDown:
-    """A link whose drafter is gone: every round is served by the backup (the forced-backup regime; a seeded
-    request only waits for a neural draft while its drafter lives)."""
-
-    alive = False
-
-    def send(self, msg: object) -> None: ...
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        return False
-
-    def recv(self) -> object:
-        raise EOFError
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, backup_greedy_match: bool = False,

@@ -129,7 +129,7 @@ class VerifierEngine:
         if seq.params.coupled is None:
             rule = self.config.sampling
             coupled = rule == "coupled" or (rule == "auto" and seq.params.seed is not None)
-            seq.params = replace(seq.params, coupled=coupled and not seq.params.greedy)
+            seq.params = replace(seq.params, coupled=coupled)  # False when greedy (SamplingParams)
         seq.stats = DecodeStats()
         self.scheduler.add(seq)
 
@@ -243,7 +243,7 @@ class VerifierEngine:
         sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
                                         if tree is not None and not w.seq.params.deterministic])
         coupled = coupled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and w.seq.params.coupled and not w.seq.params.greedy],
+                                        if tree is not None and w.seq.params.coupled],
                                self.config.couple_by_position)
         for b, (w, tree) in enumerate(zip(work, chosen)):
             w.seq.stats.verify_s += forward_s
