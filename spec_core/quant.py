@@ -185,7 +185,8 @@ class RowInt4Weight:
     the compiled matmul (``kernels/quant_gemm.c``), which multiplies it with activations quantized per row and
     block of 32 (llama.cpp's Q4_1 × Q8 arithmetic): batch-invariant."""
 
-    codes: torch.Tensor  #: uint8 ``[ceil(out / 8), in / 32, 8, 16]``: input i low nibble, input 16 + i high
+    codes: torch.Tensor  #: uint8 ``[ceil(out / 8), in / 32, 4, 8, 4]``: ``[.., p, j, t]`` holds output j's input
+    #: 4p + t in its low nibble and input 16 + 4p + t in its high one
     scales: torch.Tensor  #: fp16 ``[ceil(out / 8), in / 32, 2, 8]``: d, then m
     in_features: int
     out_features: int
@@ -210,7 +211,8 @@ def pack_q4_rows(w: torch.Tensor | LinearWeight, gemm) -> RowInt4Weight:
     q, d, m = _q4_1(w)
     op, groups = -(-out // 8) * 8, inp // INT4_GROUP
     q = F.pad(q.to(torch.uint8), (0, 0, 0, 0, 0, op - out))  # [op, groups, 32]
-    nibbles = (q[..., :16] | (q[..., 16:] << 4)).view(op // 8, 8, groups, 16).transpose(1, 2).contiguous()
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).view(op // 8, 8, groups, 4, 4)  # [n8, output, group, p, t]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).contiguous()  # [n8, group, p, output, t]: 8 outputs × 4 inputs a vector
     dm = torch.stack([F.pad(d, (0, 0, 0, op - out)), F.pad(m, (0, 0, 0, op - out))])  # [2, op, groups]
     scales = dm.view(2, op // 8, 8, groups).permute(1, 3, 0, 2).to(torch.float16).contiguous()
     return RowInt4Weight(nibbles, scales, inp, out, gemm)
@@ -298,7 +300,8 @@ class RowW8A8Weight:
     quantizes each block of 32 of an input row with its own scale: a row's result never depends on the rows beside
     it, and all 8 bits of each activation are kept (fbgemm keeps 7 without VNNI)."""
 
-    packed: torch.Tensor  #: int8 ``[ceil(out / 8), ceil(in / 32), 8, 32]``, zero-padded
+    packed: torch.Tensor  #: int8 ``[ceil(out / 8), ceil(in / 32), 8, 8, 4]``: ``[.., i, j, t]`` is output j's input
+    #: 4i + t of the block, zero-padded
     scale: torch.Tensor  #: fp32 ``[8 · ceil(out / 8)]``, zero-padded
     in_features: int
     out_features: int
@@ -320,7 +323,7 @@ def pack_w8a8_rows(w_t: torch.Tensor, gemm) -> RowW8A8Weight:
     out, inp = q.q.shape
     op, ip = -(-out // 8) * 8, -(-inp // 32) * 32
     codes = F.pad(q.q, (0, ip - inp, 0, op - out))
-    packed = codes.view(op // 8, 8, ip // 32, 32).permute(0, 2, 1, 3).contiguous()
+    packed = codes.view(op // 8, 8, ip // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # [n8, k32, i, output, t]
     return RowW8A8Weight(packed, F.pad(q.scale.float(), (0, op - out)).contiguous(), inp, out, gemm)
 
 

@@ -205,7 +205,7 @@ def _w8a8_reference(x, w):
     blocks = F.pad(x, (0, -inp % 32)).view(x.shape[0], -1, 32)
     top = blocks.abs().amax(-1, keepdim=True)
     xq = torch.round(blocks * torch.where(top > 0, 127 / top, 0)) * (top / 127)
-    codes = w.packed.permute(0, 2, 1, 3).reshape(w.packed.shape[0] * 8, -1)[: w.out_features]
+    codes = w.packed.permute(0, 3, 1, 2, 4).reshape(w.packed.shape[0] * 8, -1)[: w.out_features]  # [out, in]
     return (xq.flatten(1).double() @ codes.double().t()) * w.scale[None, : w.out_features].double()
 
 
