@@ -198,6 +198,44 @@ def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(cpu_kernels.load(torch.float32) is None, reason="the CPU kernels cannot be built here")
+def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
+    """Attention's passes vectorized across slots (AVX2) give the generic loops' floats bit for bit, for outputs
+    and stored K/V: head sizes on and off their path (64, 32, 128; 40 takes the loops), batches of rows with their
+    own slots, random masks (tree siblings), and row lengths around the 8-slot and 64-slot chunks."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    generic = tmp_path / "generic.so"
+    subprocess.run([cc, *cpu_kernels.FLAGS, "-DGENERIC_ATTENTION", "-o", str(generic),
+                    str(cpu_kernels.SOURCES[0]), "-lm"], check=True)
+    ref = cpu_kernels.DecodeKernels(ctypes.CDLL(str(generic)), torch.float32)
+    k = cpu_kernels.load(torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    for heads, kv_heads, d in ((9, 3, 64), (4, 2, 32), (8, 8, 128), (4, 1, 40)):
+        for bsz, t, ctx in ((1, 1, 256), (2, 5, 7), (3, 4, 70), (1, 9, 0)):
+            s = ctx + t
+            qkv = torch.randn(bsz * t, (heads + 2 * kv_heads) * d, generator=gen)
+            cos, sin = torch.randn(s + 1, d, generator=gen), torch.randn(s + 1, d, generator=gen)
+            pool = torch.randn(bsz * s + 1, 2 * kv_heads, d, generator=gen)
+            kv_slots = torch.stack([torch.randperm(s, generator=gen) + b * s for b in range(bsz)])  # scattered
+            write = kv_slots[:, ctx:].flatten().contiguous()
+            pos = torch.arange(ctx, s).repeat(bsz)
+            mask = torch.rand(bsz, t, s, generator=gen) < 0.7
+            mask[..., 0] = True
+            for m in (mask, None):
+                outs, pools = [], []
+                for kern in (k, ref):
+                    out, got = torch.empty(bsz * t, heads * d), pool.clone()
+                    kern.rope_store_attend(qkv, (cos, sin), pos, got.data_ptr(), write, kv_slots, m, out, heads,
+                                           kv_heads, d)
+                    outs.append(out)
+                    pools.append(got)
+                assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1]), (heads, d, bsz, t, ctx)
+
+
 def _w8a8_reference(x, w):
     """The compiled W8A8 matmul's contract in float64: each block of 32 of a row quantized with its own scale
     (rounding half to even), integer products, then the blocks' and the output channel's scales."""
