@@ -175,15 +175,12 @@ class DrafterServer:
     """Loads the draft model and serves ``ssd.v1.Drafter`` (plus health and reflection) on its own thread."""
 
     def __init__(self, config: DrafterServerConfig) -> None:
-        from spec_core.config import parse_dtype
         from spec_core.model_paths import check_model_dir
-        from spec_core.models import load_tokenizer, vocab_hash
+        from spec_core.models import load_runner, load_tokenizer, vocab_hash
 
         self.config = config
-        m = config.draft
-        path = check_model_dir(m.path)
-        self.runner = ModelRunner(path, dtype=parse_dtype(m.dtype, m.device), device=m.device,
-                                  pad_rows=m.pad_rows, kernels=m.cpu_kernels, reference=False)
+        path = check_model_dir(config.draft.path)
+        self.runner = load_runner(config.draft, reference=False)  # a weight format too (w8a8 under an int4 target)
         self.vocab_hash = vocab_hash(load_tokenizer(path))
         self.servicer = DrafterServicer(self.runner, config, self.vocab_hash)
         self.thread: ServerThread | None = None
