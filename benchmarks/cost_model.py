@@ -82,12 +82,12 @@ READY_TIMEOUT_S = 120.0
 def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop, ready) -> None:
     """Keep another core busy the way the SSD drafter does: draft forwards, back to back (``ready`` is set once
     they run)."""
-    from spec_core.config import parse_dtype
+    from spec_core.config import parse_dtype, weight_format
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype), reference=False)
+    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype), weights=weight_format(dtype), reference=False)
     cache = draft.new_cache(1, context + 2)
     draft.forward(cache, torch.randint(0, draft.vocab_size, (1, context)), torch.arange(context)[None])
     ids, pos = torch.randint(0, draft.vocab_size, (1, 1)), torch.tensor([[context]])
@@ -149,8 +149,8 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     with pinned(cores, threads):
         target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name),
                              pad_rows=pad_rows, kernels=cpu_kernels)
-        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, pad_rows=pad_rows,
-                            kernels=cpu_kernels, reference=False)
+        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, weights=weight_format(draft_name),
+                            pad_rows=pad_rows, kernels=cpu_kernels, reference=False)  # w8a8 is a weight format
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
@@ -170,5 +170,5 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
             "target_t1_rows": rows, "target_matmul_one_row_s": matmul_one, "cpu_kernels": target.kernels is not None,
             "floor_t1_s": weight_bytes / bandwidth, "weight_bytes_per_token": weight_bytes,
             "read_bandwidth_gbs": bandwidth / 1e9, "target_t1_other_core_busy_s": busy, "draft_t1_s": d1,
-            "draft_dtype": draft_name,
+            "draft_dtype": draft_name, "draft_weights": draft.weights,
             "c": d1 / t1, "target_over_draft": t1 / d1, "V": v}

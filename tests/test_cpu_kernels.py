@@ -202,7 +202,9 @@ def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
 def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
     """Attention's passes vectorized across slots (AVX2) give the generic loops' floats bit for bit, for outputs
     and stored K/V: head sizes on and off their path (64, 32, 128; 40 takes the loops), batches of rows with their
-    own slots, random masks (tree siblings), and row lengths around the 8-slot and 64-slot chunks."""
+    own slots, random masks (tree siblings), and row lengths around the 8-slot and 64-slot chunks. Bit for bit
+    where the compiler vectorizes the generic score loop 8 lanes wide (AVX2); with AVX-512 it may pick 16 lanes, a
+    different order of the same sums, so there the two agree to rounding."""
     import ctypes
     import shutil
     import subprocess
@@ -213,6 +215,7 @@ def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
                     str(cpu_kernels.SOURCES[0]), "-lm"], check=True)
     ref = cpu_kernels.DecodeKernels(ctypes.CDLL(str(generic)), torch.float32)
     k = cpu_kernels.load(torch.float32)
+    eight_lanes = "avx512f" not in cpu_kernels._cpu_flags().split()
     gen = torch.Generator().manual_seed(7)
     for heads, kv_heads, d in ((9, 3, 64), (4, 2, 32), (8, 8, 128), (4, 1, 40)):
         for bsz, t, ctx in ((1, 1, 256), (2, 5, 7), (3, 4, 70), (1, 9, 0)):
@@ -233,7 +236,11 @@ def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
                                            kv_heads, d)
                     outs.append(out)
                     pools.append(got)
-                assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1]), (heads, d, bsz, t, ctx)
+                assert torch.equal(pools[0], pools[1]), (heads, d, bsz, t, ctx)
+                if eight_lanes:
+                    assert torch.equal(outs[0], outs[1]), (heads, d, bsz, t, ctx)
+                else:
+                    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6), (heads, d, bsz, t, ctx)
 
 
 def _w8a8_reference(x, w):

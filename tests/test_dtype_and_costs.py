@@ -63,6 +63,9 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     assert all(1 <= r["target_t1_rows"] <= 8 and r["target_matmul_one_row_s"] > 0 for r in (b16, i8, i4))
     assert not f32["cpu_kernels"]  # the reference keeps transformers' arithmetic (spec_core.cpu_kernels)
     assert all(r["cpu_kernels"] == (cpu_kernels.load(torch.float32) is not None) for r in (b16, i8, i4))
+    from spec_core.config import weight_format
+
+    assert all(r["draft_weights"] == weight_format(r["draft_dtype"]) for r in (f32, b16, i8, i4))  # w8a8 is a format
     for r in (f32, b16, i8, i4):
         report(f"bench-costs {r['dtype']}: T(1) {r['target_t1_s'] * 1e3:.1f} ms as {r['target_t1_rows']} row(s), "
                f"matmuls alone "

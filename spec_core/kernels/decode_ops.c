@@ -128,7 +128,8 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
  * through memory one at a time and each output's accumulator is loaded and stored at every slot. Here 8 slots' scores
  * are made together (8 accumulators, one 8 × 8 transpose, 8 vector adds) and the outputs stay in registers over a
  * chunk of slots: a query's attention at context 256, 1.3 ms over 30 layers before. Each query's arithmetic is still
- * its own. The contract test compares the two forms bit for bit. */
+ * its own. The contract test compares the two forms bit for bit (to rounding where AVX-512 lets the compiler
+ * vectorize the generic loop 16 lanes wide: the same sums in another order). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GENERIC_ATTENTION) /* the switch: for the contract test */
 #include <immintrin.h>
 /* Slots per chunk of the values pass: their V rows stay in L1 across a chunk's queries and heads. */
@@ -207,7 +208,8 @@ static void attend_values_f32(const float *pool, const int64_t *slots, int64_t s
                             if (p[x] != 0.f) {
                                 const __m256 pv = _mm256_set1_ps(p[x]);
                                 const float *v = pool + slots[x] * slot + (KVH + j) * D + e0;
-                                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), a[c]);
+                                for (int c = 0; c < 8; c++)
+                                    a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), a[c]);
                             }
                         for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + 8 * c, a[c]);
                     }

@@ -14,10 +14,10 @@
  * kernels' attention, a forward is batch-invariant, and SD and SSD equal the dtype's own AR token for token.
  *
  * Layout, packed at load and zero-padded: [n8 = ceil(N/8)][k32 = ceil(K/32)][8][8 outputs][4 inputs] int8 for w8a8
- * (vector i: inputs 4i..4i + 3 of each output); for q4, codes [n8][k32][4][8 outputs][4 bytes] (byte (p, j, t): input 4p + t of output j in its low nibble,
- * input 16 + 4p + t in its high one) and scales [n8][k32][2][8 outputs] fp16 (d, then m). A step of 32 inputs over 8
- * outputs reads contiguous bytes, and a decode step streams each matrix once: memory-bound at one row; each further
- * row costs its integer multiplies.
+ * (vector i: inputs 4i..4i + 3 of each output); for q4, codes [n8][k32][4][8 outputs][4 bytes] (byte (p, j, t):
+ * input 4p + t of output j in its low nibble, input 16 + 4p + t in its high one) and scales [n8][k32][2][8 outputs]
+ * fp16 (d, then m). A step of 32 inputs over 8 outputs reads contiguous bytes, and a decode step streams each matrix
+ * once: memory-bound at one row; each further row costs its integer multiplies.
  */
 #include <math.h>
 #include <pthread.h>
