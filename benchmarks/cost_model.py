@@ -82,12 +82,13 @@ READY_TIMEOUT_S = 120.0
 def _spin_draft(draft_path: str, core: int, context: int, dtype: str, stop, ready) -> None:
     """Keep another core busy the way the SSD drafter does: draft forwards, back to back (``ready`` is set once
     they run)."""
-    from spec_core.config import parse_dtype, weight_format
+    from spec_core.config import ModelConfig
+    from spec_core.models import load_runner
 
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    draft = ModelRunner(draft_path, dtype=parse_dtype(dtype), weights=weight_format(dtype), reference=False)
+    draft = load_runner(ModelConfig(draft_path, dtype), reference=False)
     cache = draft.new_cache(1, context + 2)
     draft.forward(cache, torch.randint(0, draft.vocab_size, (1, context)), torch.arange(context)[None])
     ids, pos = torch.randint(0, draft.vocab_size, (1, 1)), torch.tensor([[context]])
@@ -139,7 +140,8 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     """One row: pin to ``threads`` cores from ``core`` (CPU only), load both models in ``dtype`` on ``device``,
     then time them. ``dtype`` may be ``auto`` (resolved for the device, and reported resolved). ``busy_core``:
     also T(1) with the draft running on the other core (one pinned thread, CPU, two cores or more)."""
-    from spec_core.config import draft_dtype, parse_dtype, resolve_dtype, weight_format
+    from spec_core.config import ModelConfig, draft_dtype, resolve_dtype
+    from spec_core.models import load_runner
 
     name = resolve_dtype(dtype, device)
     draft_name = resolve_dtype(draft_dtype(name, cpu_kernels), device)  # as every command loads the draft
@@ -147,10 +149,9 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None
     with pinned(cores, threads):
-        target = ModelRunner(target_path, dtype=parse_dtype(name), device=device, weights=weight_format(name),
-                             pad_rows=pad_rows, kernels=cpu_kernels)
-        draft = ModelRunner(draft_path, dtype=parse_dtype(draft_name), device=device, weights=weight_format(draft_name),
-                            pad_rows=pad_rows, kernels=cpu_kernels, reference=False)  # w8a8 is a weight format
+        # as every command loads them (weight formats included: a w8a8 draft is not an fp32 one)
+        target = load_runner(ModelConfig(target_path, name, device, pad_rows, cpu_kernels))
+        draft = load_runner(ModelConfig(draft_path, draft_name, device, pad_rows, cpu_kernels), reference=False)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
         # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
