@@ -209,9 +209,8 @@ class DrafterLoop:
         self._serve_misses(reqs, specs, misses)
         if self.tree_delay_s:
             time.sleep(self.tree_delay_s)
-        for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs)):
+        for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs, send=self.link.send)):
             req.bundle = bundle
-            self.link.send(bundle)
 
     def _take_outcomes(self, outcomes: list[OutcomeEvent], reqs: list, specs: list, misses: list[int]) -> list[int]:
         """Commit each outcome and queue its request for the next speculation (``reqs``/``specs``, in place; a

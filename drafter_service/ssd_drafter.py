@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -201,9 +202,14 @@ class SSDDrafter:
         return out
 
     # ---- branch bundles -------------------------------------------------------------------------------------
-    def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation]) -> list[BranchBundle]:
+    def build_bundles(self, reqs: list[DraftRequest], specs: list[Speculation],
+                      send: Callable[[BranchBundle], None] | None = None) -> list[BranchBundle]:
         """Glue forward, fork, and K batched tree-decode steps for every request (module docstring). A request
-        whose K/V does not fit in the pool gets an empty bundle (its next round misses)."""
+        whose K/V does not fit in the pool gets an empty bundle (its next round misses).
+
+        ``send``: called with each bundle once all are built (the link's send, which encodes it). Its time counts
+        in the build time that fits the budget to the verifier's step (``fit_fanout``): a bundle is on time only
+        once it is on its way, and a sampled bundle's q rows took a quarter of a build to encode (session 33)."""
         glue = [r.seq.num_tokens - glue_start(r) + s.num_nodes for r, s in zip(reqs, specs)]  # glue forward tokens
         budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
         fans = [self._fit_fanout(r, s, budget) for r, s in zip(reqs, specs)]
@@ -212,12 +218,15 @@ class SSDDrafter:
         built = iter(self._build([reqs[i] for i in kept], [specs[i] for i in kept], [fans[i] for i in kept])
                      if kept else [])
         now = time.perf_counter()
+        bundles = [next(built) if fan is not None else BranchBundle(r.seq.request_id, r.round, list(s.token_ids), {},
+                                                                    ready_at=now)
+                   for r, s, fan in zip(reqs, specs, fans)]
+        for bundle in bundles if send is not None else ():
+            send(bundle)
         if kept:
             units = sum(glue[i] + reqs[i].k * sum(fans[i]) for i in kept)
-            self._observe_build(units, now - t0)
-        return [next(built) if fan is not None else BranchBundle(r.seq.request_id, r.round, list(s.token_ids), {},
-                                                                 ready_at=now)
-                for r, s, fan in zip(reqs, specs, fans)]
+            self._observe_build(units, time.perf_counter() - t0)
+        return bundles
 
     def _fitted_budget(self, glue: int, depth: int) -> int:
         """The per-request fan-out budget for a batch of bundles with ``glue`` glue tokens and ``depth`` decode

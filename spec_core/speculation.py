@@ -17,6 +17,7 @@ is k, so chain keys are the paper's ``(k, bonus)``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -208,7 +209,8 @@ class BranchBundle:
     request_id: str
     round: int
     base_tokens: list[int]
-    entries: dict[tuple[int, int], Speculation] = field(default_factory=dict)
+    #: A dict where built; a received bundle's builds each branch on first use (``protos.codec.ReceivedBranches``).
+    entries: Mapping[tuple[int, int], Speculation] = field(default_factory=dict)
     ready_at: float = 0.0
     #: The parents of the verified tree (None: ``base_tokens`` is a chain).
     base_parents: list[int] | None = None

@@ -6,6 +6,7 @@ import filecmp
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,6 +73,50 @@ def test_sparse_rows_are_bit_exact_and_small() -> None:
     assert msg.prob_width == 65 and not msg.draft_probs and msg.ByteSize() < 2 * 65 * 8 + 64
     back = codec.speculation_from_pb(pb.Speculation.FromString(msg.SerializeToString()), 8192)
     assert torch.equal(back.draft_probs, probs)
+
+
+def test_the_block_scan_finds_every_non_zero_and_a_bundle_packs_in_one_scan() -> None:
+    """Non-zeros in the last, partial block of 64 columns, beside one another, alone in a row; a bundle's branches
+    packed together at one width decode to their own rows bit for bit."""
+    from protos.prob_blobs import pack_sparse_many
+
+    g = torch.Generator().manual_seed(2)
+    vocab = 1000  # 15 full blocks and 40 columns
+    rows = torch.zeros(4, vocab)
+    rows[0, [0, 1, 2, 998, 999]] = torch.rand(5, generator=g)
+    rows[1, 960] = 1.0
+    rows[2, torch.randperm(vocab, generator=g)[:30]] = torch.rand(30, generator=g)
+    rows[3, 63:65] = 0.5
+    for probs in (rows, rows[1:2], rows[2:]):
+        msg = pb.Speculation.FromString(codec.speculation_to_pb(Speculation([1] * len(probs), probs)).SerializeToString())
+        assert msg.prob_width and torch.equal(codec.speculation_from_pb(msg, vocab).draft_probs, probs)
+    assert codec.speculation_to_pb(Speculation([1], torch.full((1, vocab), 1e-3))).draft_probs  # dense: as is
+    packed = pack_sparse_many([rows[:2], None, rows[2:]])
+    assert packed[1] is None and packed[0][2] == packed[2][2] == 30
+    bundle = BranchBundle("r", 1, [], {(0, 5): Speculation([5, 6], rows[:2]), (0, 7): Speculation([7], None),
+                                       (1, 2): Speculation([2, 3], rows[2:])})
+    back = codec.message_from_pb(pb.DrafterMessage.FromString(codec.message_to_pb(bundle).SerializeToString()), vocab)
+    assert torch.equal(back.entries[(0, 5)].draft_probs, rows[:2])
+    assert torch.equal(back.entries[(1, 2)].draft_probs, rows[2:])
+
+
+def test_a_received_bundle_is_checked_whole_and_builds_only_the_branch_used() -> None:
+    probs = torch.zeros(1, 50)
+    probs[0, 3] = 1.0
+    bundle = BranchBundle("r", 1, [], {(0, b): Speculation([b], probs) for b in range(4)})
+    wire = codec.message_to_pb(bundle)
+    back = codec.message_from_pb(wire, 50)
+    assert len(back.entries) == 4 and (0, 2) in back.entries and (1, 2) not in back.entries
+    assert sorted(back.entries) == [(0, b) for b in range(4)]
+    assert torch.equal(back.entries[(0, 2)].draft_probs, probs)
+    assert list(back.entries._built) == [(0, 2)]
+    wire.bundle.branches[3].speculation.prob_ids = wire.bundle.branches[3].speculation.prob_ids[:-1]
+    with pytest.raises(ValueError, match="sparse"):  # a malformed branch refuses the bundle on arrival
+        codec.message_from_pb(wire, 50)
+    wire = codec.message_to_pb(bundle)
+    wire.bundle.branches[1].speculation.prob_ids = np.array([50], dtype="<i4").tobytes()
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        codec.message_from_pb(wire, 50)
 
 
 def test_malformed_blobs_are_rejected() -> None:
