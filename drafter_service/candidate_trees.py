@@ -12,6 +12,7 @@ from spec_core.config import lookup_depth
 from spec_core.estimators import RateEstimator
 from spec_core.fanout import FanoutConfig, fanout_for, tree_fanout
 from spec_core.ngram import NgramIndex
+from spec_core.select import topk_rows
 from spec_core.speculation import Speculation, chain_parents, node_depths, path_nodes, spine_tree
 from spec_core.transfer import to_host
 
@@ -61,7 +62,7 @@ def slot_guesses(index: NgramIndex, s: Speculation) -> list[int | None]:
 def leaf_tokens(logits: torch.Tensor, spine: list[int], extra: int) -> list[list[int]]:
     """For each row of ``logits [m, V]``, its ``extra`` likeliest tokens other than the row's spine token (the
     leaves beside it; excluding it explicitly keeps them distinct when logits tie)."""
-    top = to_host(torch.topk(logits, extra + 1, dim=-1).indices)
+    top = to_host(topk_rows(logits, extra + 1)[1])
     return [[t for t in row if t != tok][:extra] for row, tok in zip(top, spine)]
 
 

@@ -12,6 +12,7 @@ from drafter_service.candidate_trees import leaf_tokens
 from spec_core.config import SSDConfig
 from spec_core.coupling import keyed_uniforms, keys_tensor
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
+from spec_core.select import argmax_rows, topk_rows
 from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
 from spec_core.transfer import to_host
 
@@ -25,7 +26,7 @@ def race_ranking(seq: Sequence, logits: torch.Tensor, positions: list[int], head
     drafter's guess at the verifier's race (:mod:`spec_core.coupling`), so it leaves out what only exactness needs:
     the normaliser (common to a row), top-p and the tail. One top-k over the vocabulary per row, one download."""
     p = seq.params
-    vals, ids = logits.float().topk(min(head if p.top_k <= 0 else min(head, p.top_k), logits.shape[-1]), dim=-1)
+    vals, ids = topk_rows(logits.float(), min(head if p.top_k <= 0 else min(head, p.top_k), logits.shape[-1]))
     u = keyed_uniforms(keys_tensor(seq.seed, positions, logits.device), ids)
     order = (vals / p.temperature - torch.log(-torch.log(u))).argsort(dim=-1, descending=True)
     return to_host(ids.gather(-1, order))
@@ -38,7 +39,7 @@ def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions:
     tokens were drawn from). Row i's token sits at ``positions[i]``; its uniform is keyed by that position. A
     coupled request takes its race's winner and also returns the race (:func:`race_ranking`, for its leaves)."""
     if seq.params.greedy:
-        return to_host(logits.argmax(-1)), None, None
+        return to_host(argmax_rows(logits)), None, None
     if seq.params.coupled:
         ranked = race_ranking(seq, logits, positions)
         return [r[0] for r in ranked], None, ranked
@@ -51,7 +52,7 @@ def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions:
         return toks, q if config.ship_raw_q else q_prime, None
     # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution over the
     # draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
-    vals, idx = torch.topk(logits.float(), n, dim=-1)
+    vals, idx = topk_rows(logits.float(), n)
     small = saguaro_downweight(request_probs(vals[None], [seq.params])[0], top_f, config.saguaro_c)
     local = sample_from_probs(small, uniforms)
     toks = to_host(idx.gather(-1, local[:, None])[:, 0])

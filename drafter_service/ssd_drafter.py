@@ -53,6 +53,7 @@ from spec_core.estimators import AcceptanceEstimator, LinearCost, MissExponentEs
 from spec_core.fanout import fanout_for
 from spec_core.packing import WorkItem, forward_items
 from spec_core.runner import ModelRunner
+from spec_core.select import topk_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, slot_positions
 from spec_core.transfer import to_device, to_host
@@ -307,7 +308,7 @@ class SSDDrafter:
             rows = rows.clone()
             drafted = to_device([[p + 1 for p in s.tree_parents], s.token_ids], rows.device, torch.long)
             rows[drafted[0], drafted[1]] = float("-inf")
-        return to_host(torch.topk(rows, width, dim=-1).indices)  # one download per request
+        return to_host(topk_rows(rows, width)[1])  # one download per request
 
     def _decode_branches(self, reqs, specs, branches) -> list[BranchBundle]:
         now_tokens = [[c for _, c in br] for br in branches]

@@ -23,6 +23,7 @@ from spec_core.coupling import keys_tensor, race_scores
 from spec_core.packing import reconcile_tree_slots
 from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
+from spec_core.select import argmax_rows, topk_rows
 from spec_core.sequence import DRAFT, Sequence
 from spec_core.transfer import to_host
 from spec_core.tree import TokenTree
@@ -105,7 +106,7 @@ class BatchDrafter:
                     logits[j] = race_scores(request_probs(logits[j][None], [seq.params])[0],
                                             keys_tensor(seq.seed, [seq.num_tokens + depth] * w, logits.device))
             probs = None if all(greedy) else request_probs(logits, [s.params for s in sub])
-            picks = torch.topk(logits[:, 0], width).indices if root else logits[:, :width].argmax(-1)
+            picks = topk_rows(logits[:, 0], width)[1] if root else argmax_rows(logits[:, :width])
             qs: list[torch.Tensor | None] = []
             for j, seq in enumerate(sub):
                 if greedy[j]:

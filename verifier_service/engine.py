@@ -23,6 +23,7 @@ from spec_core.config import SAMPLING_RULES
 from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.runner import ModelRunner
+from spec_core.select import argmax_rows
 from spec_core.sequence import VERIFY, Sequence
 from spec_core.timing import DeviceTimer
 from spec_core.transfer import crossings, to_device, to_host
@@ -232,7 +233,7 @@ class VerifierEngine:
         """The forward over ``items``, then each request's verification, K/V moves and finishing."""
         with DeviceTimer(self.runner.device) as timer:  # CUDA events on a GPU: kernel time, not launch time
             logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
-        argmax = to_host(logits.argmax(-1))
+        argmax = to_host(argmax_rows(logits))
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)
         forward_s = timer.elapsed_s() + self.config.verify_delay_s
