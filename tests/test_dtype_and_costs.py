@@ -51,9 +51,12 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     f32, b16, i8, i4 = rows["float32"], rows["bfloat16"], rows["int8"], rows["int4"]
     for r in (f32, b16, i8, i4):
         assert r["threads"] == 1 and r["device"] == "cpu"
-        assert 0 < r["floor_t1_s"] < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
+        # the floor streams the weights from memory; a model that fits the last-level cache may beat it (the toy
+        # int4's 12 MB ran 0.89 ms against a 0.99 ms floor on a VM with a 480 MiB L3, session 33)
+        assert 0 < r["floor_t1_s"] and 0 < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
         assert set(r["V"]) == {"1", "2"}
         assert r["target_t1_other_core_busy_s"] is None  # --no-busy-core
+    assert f32["floor_t1_s"] > b16["floor_t1_s"] > i4["floor_t1_s"]  # each floor is its own dtype's bytes
     # the weights really are loaded in each dtype: half the bytes per token in bf16
     assert f32["weight_bytes_per_token"] == 2 * b16["weight_bytes_per_token"]
     assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
