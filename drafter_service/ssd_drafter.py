@@ -222,8 +222,9 @@ class SSDDrafter:
         bundles = [next(built) if fan is not None else BranchBundle(r.seq.request_id, r.round, list(s.token_ids), {},
                                                                     ready_at=now)
                    for r, s, fan in zip(reqs, specs, fans)]
-        for bundle in bundles if send is not None else ():
-            send(bundle)
+        if send is not None:
+            for bundle in bundles:
+                send(bundle)
         if kept:
             units = sum(glue[i] + reqs[i].k * sum(fans[i]) for i in kept)
             self._observe_build(units, time.perf_counter() - t0)
