@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -131,8 +132,20 @@ def test_bench_quick_schema(tmp_path, toy_pair):
         modes.add((row["mode"], row["concurrency"]))
         if row["mode"] == "ar-2t" and row["concurrency"] > 1:  # equal hardware at every concurrency
             assert "2 threads on both cores" in row["batching"]
+        # every run's tokens/s, and the median of each run's ratio to AR's run of the same prompt and repeat
+        assert len(row["runs"]) == row["num_runs"] and all(r["tokens_per_s"] > 0 for r in row["runs"])
+        ratios = [r["tokens_per_s"] / ar["tokens_per_s"] for r in row["runs"] for ar in _runs_of(report, "ar", row)
+                  if (ar.get("prompt"), ar["repeat"]) == (r.get("prompt"), r["repeat"])]
+        assert row["x_ar_paired_median"] == pytest.approx(statistics.median(ratios))
+        if row["mode"] == "ar":
+            assert row["x_ar_paired_median"] == 1.0
     assert modes == {(m, c) for m in ("ar", "sd", "ar-2t") for c in (1, 2)}
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_and_hits.png", "tokens_per_s_T0.png"]
+
+
+def _runs_of(report: dict, mode: str, like: dict) -> list[dict]:
+    return next(r["runs"] for r in report["results"] if r["mode"] == mode
+                and (r["temperature"], r["concurrency"]) == (like["temperature"], like["concurrency"]))
 
 
 def test_bench_sweep_reports_the_best_budget(tmp_path, toy_pair):

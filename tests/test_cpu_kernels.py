@@ -159,21 +159,22 @@ def test_the_build_is_cached_by_source_flags_and_cpu(tmp_path, monkeypatch):
         cpu_kernels.build()
 
 
-def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk(dtype):
     """A query's attention output is bit for bit the same whether it runs alone (a decode step), among a verify's
     later, masked-off tokens, as a tree node with masked siblings in between, or past the first QUERY_CHUNK queries
     of a long forward (a prefill): the softmax sums its nonzero terms in their order only, and each query's
-    arithmetic is its own."""
-    k = cpu_kernels.load(torch.float32)
+    arithmetic is its own. For fp32 and bf16 pools (head size 64: the vectorized passes where the CPU has them)."""
+    k = cpu_kernels.load(dtype)
     gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, d, n = 4, 2, 16, 45  # 45 tokens: more than one chunk of 32 queries
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen)
+    heads, kv_heads, d, n = 4, 2, 64, 45  # 45 tokens: more than one chunk of 32 queries
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     cos, sin = torch.randn(64, d, generator=gen), torch.randn(64, d, generator=gen)
-    pool = torch.zeros(n + 1, 2 * kv_heads, d)
+    pool = torch.zeros(n + 1, 2 * kv_heads, d, dtype=dtype)
 
     def attend(first, count):
         """Tokens [first, first + count) after a pool holding [0, first): their outputs, causal."""
-        out = torch.empty(count, heads * d)
+        out = torch.empty(count, heads * d, dtype=dtype)
         kv_slots = torch.arange(first + count)[None]
         mask = kv_slots[:, None, :] <= torch.arange(first, first + count)[None, :, None]
         k.rope_store_attend(qkv[first:first + count].contiguous(), (cos, sin), torch.arange(first, first + count),
@@ -191,7 +192,7 @@ def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
     outs = []
     for slots, mask in ((torch.arange(45)[None], torch.tensor([[[s in seen for s in range(45)]]])),
                         (torch.tensor([seen]), None)):
-        out = torch.empty(1, heads * d)
+        out = torch.empty(1, heads * d, dtype=dtype)
         k.rope_store_attend(node, (cos, sin), torch.tensor([44]), pool.data_ptr(), torch.tensor([44]), slots, mask,
                             out, heads, kv_heads, d)
         outs.append(out)
@@ -199,12 +200,14 @@ def test_attention_of_a_query_is_the_same_in_a_verify_a_step_and_a_long_chunk():
 
 
 @pytest.mark.skipif(cpu_kernels.load(torch.float32) is None, reason="the CPU kernels cannot be built here")
-def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path, dtype):
     """Attention's passes vectorized across slots (AVX2) give the generic loops' floats bit for bit, for outputs
-    and stored K/V: head sizes on and off their path (64, 32, 128; 40 takes the loops), batches of rows with their
-    own slots, random masks (tree siblings), and row lengths around the 8-slot and 64-slot chunks. Bit for bit
-    where the compiler vectorizes the generic score loop 8 lanes wide (AVX2); with AVX-512 it may pick 16 lanes, a
-    different order of the same sums, so there the two agree to rounding."""
+    and stored K/V, over fp32 and bf16 pools: head sizes on and off their path (64, 32, 128; 40 takes the loops),
+    batches of rows with their own slots, random masks (tree siblings), and row lengths around the 8-slot and
+    64-slot chunks. Bit for bit where the compiler vectorizes the generic score loop 8 lanes wide (AVX2); with
+    AVX-512 it may pick 16 lanes, a different order of the same sums, so there the two agree to rounding (bf16
+    outputs: to one rounding of their own)."""
     import ctypes
     import shutil
     import subprocess
@@ -213,16 +216,16 @@ def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
     generic = tmp_path / "generic.so"
     subprocess.run([cc, *cpu_kernels.FLAGS, "-DGENERIC_ATTENTION", "-o", str(generic),
                     str(cpu_kernels.SOURCES[0]), "-lm"], check=True)
-    ref = cpu_kernels.DecodeKernels(ctypes.CDLL(str(generic)), torch.float32)
-    k = cpu_kernels.load(torch.float32)
+    ref = cpu_kernels.DecodeKernels(ctypes.CDLL(str(generic)), dtype)
+    k = cpu_kernels.load(dtype)
     eight_lanes = "avx512f" not in cpu_kernels._cpu_flags().split()
     gen = torch.Generator().manual_seed(7)
     for heads, kv_heads, d in ((9, 3, 64), (4, 2, 32), (8, 8, 128), (4, 1, 40)):
         for bsz, t, ctx in ((1, 1, 256), (2, 5, 7), (3, 4, 70), (1, 9, 0)):
             s = ctx + t
-            qkv = torch.randn(bsz * t, (heads + 2 * kv_heads) * d, generator=gen)
+            qkv = torch.randn(bsz * t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
             cos, sin = torch.randn(s + 1, d, generator=gen), torch.randn(s + 1, d, generator=gen)
-            pool = torch.randn(bsz * s + 1, 2 * kv_heads, d, generator=gen)
+            pool = torch.randn(bsz * s + 1, 2 * kv_heads, d, generator=gen).to(dtype)
             kv_slots = torch.stack([torch.randperm(s, generator=gen) + b * s for b in range(bsz)])  # scattered
             write = kv_slots[:, ctx:].flatten().contiguous()
             pos = torch.arange(ctx, s).repeat(bsz)
@@ -231,7 +234,7 @@ def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
             for m in (mask, None):
                 outs, pools = [], []
                 for kern in (k, ref):
-                    out, got = torch.empty(bsz * t, heads * d), pool.clone()
+                    out, got = torch.empty(bsz * t, heads * d, dtype=dtype), pool.clone()
                     kern.rope_store_attend(qkv, (cos, sin), pos, got.data_ptr(), write, kv_slots, m, out, heads,
                                            kv_heads, d)
                     outs.append(out)
@@ -239,8 +242,10 @@ def test_vectorized_attention_computes_the_generic_loops_floats(tmp_path):
                 assert torch.equal(pools[0], pools[1]), (heads, d, bsz, t, ctx)
                 if eight_lanes:
                     assert torch.equal(outs[0], outs[1]), (heads, d, bsz, t, ctx)
-                else:
+                elif dtype == torch.float32:
                     assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6), (heads, d, bsz, t, ctx)
+                else:  # the same sums in another order, each then rounded to bf16: at most one bf16 step apart
+                    assert torch.allclose(outs[0].float(), outs[1].float(), rtol=2 ** -7, atol=1e-6), (heads, d)
 
 
 def _w8a8_reference(x, w):
