@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 #: The C sources of the one library: the decoder's small ops, quantized matmuls over activations quantized per row
 #: and block, and the decoder stack in one call over both.
 SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c", "decoder.c"))
+#: Headers the sources include: part of the build's name, so an edit to one rebuilds.
+HEADERS = tuple(Path(__file__).parent / "kernels" / name for name in ("attention_simd.h",))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-pthread")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
@@ -63,7 +65,7 @@ def _cpu_flags() -> str:
 
 def library_path() -> Path:
     """Where this machine's build lives: named by the source, the compiler flags and the CPU's features."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"decode_ops-{key}.so"
 
