@@ -50,7 +50,10 @@ def test_k_falls_to_zero_when_speculation_does_not_pay() -> None:
     mid = AdaptiveK(k_max=5, cost=FixedCost(0.01, 0.002))
     plan = mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 21)})
     assert plan["easy"] > 0 and plan["hard"] == 0
-    assert mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 32)})["hard"] == 1
+    # re-probes rotate over the batch (``probe_share``): with two requests, each has every other re-probe round
+    assert mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 32)})["hard"] == 0
+    assert mid.plan({"easy": (95, 100, 21), "hard": (2, 100, 48)})["hard"] == 1
+    assert AdaptiveK(k_max=5, cost=FixedCost(0.01, 0.002)).plan({"hard": (2, 100, 32)}) == {"hard": 1}  # alone
 
 
 def _run_steps(planner: AdaptiveK, steps: int, b: int, spec_s: float, plain_s: float, emitted: int) -> list[int]:
@@ -181,14 +184,52 @@ def test_backoff_is_kept_per_batch_size_range() -> None:
 
 
 def test_no_per_request_reprobes_where_the_guard_measured_a_loss() -> None:
-    """Per-request re-probes (K = 1 every ``probe_every`` rounds for a request planned at 0) stop at a batch size
-    where the back-off has measured speculation losing; the guard's own windows re-measure it there."""
+    """Per-request re-probes (K = 1 every ``probe_every`` rounds for a request planned at 0, a quarter of the batch
+    at a time) stop at a batch size where the back-off has measured speculation losing; the guard's own windows
+    re-measure it there."""
     planner = AdaptiveK(k_max=5, cost=FixedCost(0.001, 0.01))  # speculation does not pay: batch K = 0
     hard = {f"r{i}": (10, 100, 32) for i in range(16)}  # round 32: a re-probe round
-    assert set(planner.plan(hard).values()) == {1}
+    assert sum(planner.plan(hard).values()) == 4
     planner.backoff(16).next_hold = planner.hold  # as after a failed window at 16 in flight
     assert set(planner.plan(hard).values()) == {0}
     assert planner.plan({"r0": (10, 100, 32)}) == {"r0": 1}  # batch 1 has measured nothing: it still re-probes
+
+
+def test_probes_speculate_on_a_share_of_the_batch() -> None:
+    """At 16 in flight, each re-probe round re-probes 4 requests, every request once in 4 such rounds; the window
+    after a hold floors the 4 requests with the highest estimated acceptance at K = 1, not all 16. Where
+    speculation loses at the margin, the requests' speculated rounds before the guard backs off for good are a
+    quarter of what whole-batch probes spend, and the back-off still holds."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.001, 0.01))
+    probed = {f"r{i}": 0 for i in range(16)}
+    for rounds in (32, 48, 64, 80):
+        plan = planner.plan({rid: (10, 100, rounds) for rid in probed})
+        assert sum(plan.values()) == 4
+        for rid, k in plan.items():
+            probed[rid] += k
+    assert set(probed.values()) == {1}
+    st = planner.backoff(16)
+    st.probing = True  # the window after a hold
+    plan = planner.plan({f"r{i}": (i, 100, 7) for i in range(16)})  # r12..r15 have the highest acceptance
+    assert {rid for rid, k in plan.items() if k} == {"r12", "r13", "r14", "r15"}
+    planner.backoff(1).probing = True
+    assert planner.plan({"r0": (0, 100, 7)}) == {"r0": 1}  # alone, the request is the whole batch
+
+    def spend(share: float) -> tuple[int, int]:
+        """Request-rounds speculated over 600 steps where each speculated token costs 3% of a plain step and
+        earns 0.2 tokens (a loss at the margin: a token is worth 1/16 of a step), and the back-offs."""
+        p = AdaptiveK(k_max=3, cost=FixedCost(0.001, 0.01), probe_share=share)  # the model plans K = 0 here
+        spent = 0
+        for step in range(600):
+            plan = p.plan({f"r{i}": (10, 100, 40 + step) for i in range(16)})
+            extra = sum(plan.values())
+            spent += sum(k > 0 for k in plan.values())
+            p.observe_step(16 + extra, 0.1 * (1 + 0.03 * extra), 16 + round(0.2 * extra), 16)
+        return spent, p.backoffs
+
+    whole, share = spend(1.0), spend(0.25)
+    assert whole[1] >= 2 and share[1] >= 2
+    assert share[0] <= 0.4 * whole[0], (share, whole)
 
 
 def _planner_after_workload(rate: float) -> AdaptiveK:

@@ -58,11 +58,20 @@ the hold still doubles, and a window that pays is never cut short: at batch 1 a 
 pays 1.7x read below 1x now and then, but not below 0.8x over 8 steps.
 The back-off's state is kept per range of batch sizes (:func:`batch_bucket`): speculation that loses at 16 in
 flight may pay at 1, so a hold learned under load does not stop a lone request from speculating, nor the reverse.
+Probes at a share of the batch. A probe's cost grows with the requests it makes speculate, and under load most
+probes measure a loss (sampled requests at batch 16 on a CPU: a K = 1 step for all 16 cost 1.2-1.4x a plain one
+for about 1.15x its tokens, and the ~15 such steps of a 512-step run were most of SSD's 1-2% behind AR). So at b
+requests a step, the window after a hold floors K at 1 only for the ``ceil(probe_share · b)`` requests with the
+highest estimated acceptance (the ones likeliest to pay; all of them at batch 1), and per-request re-probes rotate:
+at each re-probe round one of ``round(1 / probe_share)`` groups (at most b) of the batch re-probes, so a request
+re-probes every ``probe_every · groups`` rounds. A probe then costs about a quarter of a whole-batch one and still
+asks the question that matters at the margin: whether speculating some requests pays for them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from spec_core.estimators import LinearCost, RateEstimator
@@ -106,6 +115,9 @@ class AdaptiveK:
     population: RateEstimator | None = None
     last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)
     probe_every: int = 16
+    #: The share of a step's requests that the window after a hold, and each re-probe round, speculate on
+    #: (module docstring, "Probes at a share of the batch").
+    probe_share: float = 0.25
     probe_plain_every: int = 48
     cost: LinearCost | None = None
     batch_k: int = 0
@@ -255,17 +267,21 @@ class AdaptiveK:
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
         mean_a = sum(rates.values()) / len(rates) if rates else self.prior()
         self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
-        floor = int(st.probing and self.k_max > 0)  # the guard re-measures after a hold: every request speculates
+        floor = int(st.probing and self.k_max > 0)  # the guard re-measures after a hold: a share of the batch speculates
         self.batch_k = max(self.batch_k, floor)
+        probers = set(sorted(rates, key=rates.get, reverse=True)[: math.ceil(self.probe_share * b)]) if floor else set()
         # Once the guard has measured speculation losing at this batch size (and no window has paid since), its
         # own windows re-measure it; per-request re-probes would only add speculating steps (at batch 16 the
-        # requests re-probe in step with each other, a K = 1 step for all every ``probe_every`` rounds).
+        # requests re-probe in step with each other, a K = 1 step for a share of them every ``probe_every`` rounds).
         reprobe = not st.next_hold
+        groups = max(1, min(b, round(1 / self.probe_share)))
         out = {}
-        for rid, a in rates.items():
-            k = max(best_k(min(a, 1.0), self.draft_cost, v, self.batch_k), floor) if self.batch_k else 0
+        for i, (rid, a) in enumerate(rates.items()):
+            f = floor if rid in probers else 0
+            k = max(best_k(min(a, 1.0), self.draft_cost, v, self.batch_k), f) if self.batch_k else 0
             rounds = accept[rid][2]
-            if k == 0 and self.k_max and reprobe and rounds and rounds % self.probe_every == 0:
+            if (k == 0 and self.k_max and reprobe and rounds and rounds % self.probe_every == 0
+                    and (rounds // self.probe_every + i) % groups == 0):
                 k = 1  # re-probe: acceptance estimates need drafted tokens to move (a new request has the prior)
             out[rid] = k
             self.plain_rounds += int(k == 0)
