@@ -37,18 +37,18 @@ left out of the fit (``cold_s`` in :meth:`AdaptiveK.observe_step`). Fitted in, t
 plain one on w8a8 (a 19 ms verify, 15-20 ms of such waits), so the planner chose K = 0, re-probed only into more
 such waits, and stayed plain on about 40% of its rounds.
 
-Measured back-off. The model above predicts; the guard checks. A window's goodput is the plain-decoding time of
-the tokens its speculating steps emitted over the time they took, ``Σ (emitted / b) · T(b) / Σ step_s`` (plain
-decoding scores 1). A window is ``probe_window`` request-rounds of speculating steps, after ``warmup`` of them
-skipped (the drafter catches up after idling) (:meth:`AdaptiveK.window`: 24 and 6 steps at batch 1, 6 and 2 at
-16). A window below ``min_gain`` sends the whole batch to plain decoding for ``hold`` steps, doubling on each
-failed window up to ``max_hold`` (and halving with each window of steps that pays, so one lucky window does not
-undo the failed ones); then it speculates again and re-measures: the window after a hold runs every request at
-K >= 1 whatever the acceptance estimates say, since estimates that only move with drafted tokens would otherwise
-keep a batch plain for good once they fell (as after a cold drafter's first rounds, whose misses drag the
+Measured back-off. The model above predicts; the guard checks. A window's goodput is the plain-decoding time of the
+tokens its speculating steps emitted over the time they took, ``Σ (emitted / b) · T(b) / Σ step_s`` (plain decoding
+scores 1). A window is ``probe_window`` request-rounds of speculating steps, after ``warmup`` of them skipped (the
+drafter catches up after idling) (:meth:`AdaptiveK.window`: 24 and 6 steps at batch 1, 6 and 2 at 16). A window
+below ``min_gain`` sends the whole batch to plain decoding for ``hold`` steps, doubling on each failed window up to
+``max_hold`` (and halving with each window of steps that pays, so one lucky window does not undo the failed ones);
+then it speculates again and re-measures: the window after a hold runs requests at K >= 1 (a share of them under
+load, below) whatever the acceptance estimates say, since estimates that only move with drafted tokens would
+otherwise keep a batch plain for good once they fell (as after a cold drafter's first rounds, whose misses drag the
 workload's acceptance down while the guard stops per-request re-probes). So wherever the estimates are wrong (a
-prior that flatters acceptance, costs outside the step), the batch still runs no slower than plain decoding by
-more than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
+prior that flatters acceptance, costs outside the step), the batch still runs no slower than plain decoding by more
+than the probing costs. ``backoffs`` and ``backoff_steps`` count it.
 Clear losses. A window that measures below ``clear_loss`` (0.9x) grows the hold 4x instead of 2x, and a window
 whose first third already reads below ``early_loss`` (0.8x) is judged there. Sampled int4 on text far from the
 draft's (T = 0.8, ``ood``, batch 1) measured its windows at 0.77-0.94x; each probe (warm-up and window, 30 steps
@@ -60,7 +60,7 @@ The back-off's state is kept per range of batch sizes (:func:`batch_bucket`): sp
 flight may pay at 1, so a hold learned under load does not stop a lone request from speculating, nor the reverse.
 Probes at a share of the batch. A probe's cost grows with the requests it makes speculate, and under load most
 probes measure a loss (sampled requests at batch 16 on a CPU: a K = 1 step for all 16 cost 1.2-1.4x a plain one
-for about 1.15x its tokens, and the ~15 such steps of a 512-step run were most of SSD's 1-2% behind AR). So at b
+for about 1.15x its tokens, and the ~15 such steps of a 512-step run were about half of SSD's 2% behind AR). So at b
 requests a step, the window after a hold floors K at 1 only for the ``ceil(probe_share · b)`` requests with the
 highest estimated acceptance (the ones likeliest to pay; all of them at batch 1), and per-request re-probes rotate:
 at each re-probe round one of ``round(1 / probe_share)`` groups (at most b) of the batch re-probes, so a request
