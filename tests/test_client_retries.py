@@ -8,13 +8,13 @@ unary calls are retried until they succeed; a stream is retried before its first
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
+from local_ports import free_port
 
 from protos.serving import MAX_RETRY_ATTEMPTS, retry_service_config
 from protos.ssd.v1 import ssd_pb2 as pb
@@ -136,15 +136,9 @@ def test_stream_never_retried_after_its_first_token(serve) -> None:
     assert len(got) == 1 and servicer.calls["Generate"] == 1  # nothing resent, nothing repeated
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_down_then_up_is_ridden_out() -> None:
     """Connection refused counts as UNAVAILABLE; a server that comes up during the retries is reached."""
-    port = _free_port()
+    port = free_port()
     servicer = FlakyGeneration()
     server = grpc.server(futures.ThreadPoolExecutor(2))
     ssd_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -160,7 +154,7 @@ def test_server_down_then_up_is_ridden_out() -> None:
             assert list(client.complete("x", PARAMS).token_ids) == [1, 2]
     finally:
         server.stop(None)
-    with SSDClient(f"127.0.0.1:{_free_port()}", timeout_s=20, retries=0) as client:
+    with SSDClient(f"127.0.0.1:{free_port()}", timeout_s=20, retries=0) as client:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             client.complete("x", PARAMS)

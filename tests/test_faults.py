@@ -10,12 +10,12 @@ and a slow drafter.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import grpc
 import pytest
 import ray
+from local_ports import free_port
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos import codec
@@ -80,16 +80,10 @@ def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_re
         dep.shutdown(grace_s=5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, greedy_reference) -> None:
     from cluster.launch import PairConfig, launch
 
-    port = _free_port()  # a fixed public port: the restarted verifier binds it again
+    port = free_port()  # a fixed public port: the restarted verifier binds it again
     dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=port, use_gpu=False,
                             adaptive_k=False, dtype="float32"))
     try:

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,14 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from local_ports import free_ports
 
 PROMPTS = ["def mean(xs):\n", "import sys\n\n\ndef main():\n", "class Point:\n    def __init__(self, x, y):\n"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pids_mentioning(text: str) -> list[int]:
@@ -52,8 +46,7 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rjt", dir="/tmp")
     # Every port of its own: the test session's embedded Ray already holds the defaults (e.g. the dashboard
     # agent's 52365), and a head whose agent cannot bind answers "No available agent to submit job".
-    gcs, dash, client = _free_port(), _free_port(), _free_port()
-    agent_http, agent_grpc, metrics, runtime_env = _free_port(), _free_port(), _free_port(), _free_port()
+    gcs, dash, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(7)
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
     start = subprocess.run(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import grpc
 import pytest
+from local_ports import free_ports
 
 from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
@@ -17,12 +17,6 @@ from spec_core.config import SamplingParams
 PROMPT = "class Stack:\n    def push(self, item):\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_app(ray_session, toy_pair):
     from ray import serve
@@ -30,7 +24,7 @@ def serve_app(ray_session, toy_pair):
 
     from cluster.serve_app import build_app
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_ports(2)
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[
                     "protos.ssd.v1.ssd_pb2_grpc.add_GenerationServicer_to_server"]))
