@@ -1,14 +1,14 @@
 /* Attention's score and value passes vectorized across slots, for decode_ops.c (included there, after the helpers
  * they use: bf16, prefetch, row_bf16, AHEAD). */
 /* ---- Attention's two passes over a row's slots, vectorized across slots (AVX2; fp32 and bf16 pools). ----
- * The same floats as the generic loops below, which gcc vectorizes as: a score is 8 lanes, lane l the sum of the
- * products q[e]·k[e] for e = l mod 8 in order (a multiply, then an add), and the lanes then added one by one to 0; an
- * output element is the fused multiply-adds of its slots' p · v in slot order. There, each score's lanes are summed
- * through memory one at a time and each output's accumulator is loaded and stored at every slot. Here 8 slots' scores
- * are made together (8 accumulators, one 8 × 8 transpose, 8 vector adds) and the outputs stay in registers over a
- * chunk of slots: a query's attention at context 256, 1.3 ms over 30 layers before. Each query's arithmetic is still
- * its own. The contract test compares the two forms bit for bit (to rounding where AVX-512 lets the compiler
- * vectorize the generic loop 16 lanes wide: the same sums in another order). */
+ * The same floats as the generic loops (decode_ops.c), which gcc vectorizes as: a score is 8 lanes, lane l the sum
+ * of the products q[e]·k[e] for e = l mod 8 in order (a multiply, then an add), and the lanes then added one by one
+ * to 0; an output element is the fused multiply-adds of its slots' p · v in slot order. There, each score's lanes
+ * are summed through memory one at a time and each output's accumulator is loaded and stored at every slot. Here 8
+ * slots' scores are made together (8 accumulators, one 8 × 8 transpose, 8 vector adds) and the outputs stay in
+ * registers over a chunk of slots: a query's attention at context 256, 1.3 ms over 30 layers before. Each query's
+ * arithmetic is still its own. The contract test compares the two forms bit for bit (to rounding where AVX-512 lets
+ * the compiler vectorize the generic loop 16 lanes wide: the same sums in another order). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GENERIC_ATTENTION) /* the switch: for the contract test */
 #include <immintrin.h>
 /* Slots per chunk of the values pass: their V rows stay in L1 across a chunk's queries and heads. */
