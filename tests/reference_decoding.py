@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from spec_core.config import SamplingParams
 from spec_core.metrics import DecodeStats
 from spec_core.rejection import verify
 from spec_core.runner import KVCache, ModelRunner
@@ -106,6 +107,16 @@ class DraftState:
 
     def rollback(self, num_valid: int) -> None:
         self.num_cached = min(self.num_cached, num_valid)
+
+
+def greedy_outputs(target: ModelRunner, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """The target's own greedy continuations of ``n_new`` tokens for each prompt (the exactness reference)."""
+    out = []
+    for p in prompts:
+        seq = Sequence("ref", p, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
+        generate_ar(target, seq)
+        out.append(seq.output_ids)
+    return out
 
 
 def generate_sd(target: ModelRunner, draft: ModelRunner, seq: Sequence, k: int) -> DecodeStats:

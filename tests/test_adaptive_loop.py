@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from reference_decoding import generate_ar
+from reference_decoding import greedy_outputs
 from test_adaptive import FixedCost
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
@@ -20,31 +20,27 @@ from verifier_service.adaptive import AdaptiveK
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_count() < 2, reason="needs two cores")
 
 
-def _ar_outputs(target: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """The target's own greedy continuations of ``n`` tokens (the exactness reference)."""
-    outs = []
-    for p in prompts:
-        seq = Sequence("ref", p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        generate_ar(target, seq)
-        outs.append(seq.output_ids)
-    return outs
+def _run_greedy(ssd: LocalSSD, prompts: list[list[int]], n: int) -> list[Sequence]:
+    """``prompts`` through the local SSD engine, ``n`` greedy tokens each; every K/V block is free afterwards."""
+    seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        ssd.engine.add(s)
+    ssd.engine.run()
+    ssd.engine.blocks.check_all_free()
+    return seqs
 
 
 def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    refs = _ar_outputs(target, prompts, 24)
+    refs = greedy_outputs(target, prompts, 24)
     cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
                          max_num_seqs=2, adaptive_k=True)
     with LocalSSD(target, cfg) as ssd:
         # an injected cost model under which speculation does not pay: K drops to 0 (with periodic probes)
         ssd.engine.adaptive.cost = FixedCost(0.001, 0.01)
         ssd.engine.adaptive.prior_a = 0.2
-        seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
-        for s in seqs:
-            ssd.engine.add(s)
-        ssd.engine.run()
-        ssd.engine.blocks.check_all_free()
+        seqs = _run_greedy(ssd, prompts, 24)
         assert [s.output_ids for s in seqs] == refs
         speculating_rounds = ssd.proposer.stats.rounds
         assert ssd.engine.metrics.num_steps - 1 > speculating_rounds  # some steps ran with K = 0
@@ -72,16 +68,12 @@ def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
     state matches the verifier's exactly; and the output is the target's own."""
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    refs = _ar_outputs(target, prompts, 40)
+    refs = greedy_outputs(target, prompts, 40)
     cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2,
                          backup="none", wait_fraction=50.0)
     with LocalSSD(target, cfg) as ssd:
         ssd.engine.adaptive = _ScriptedK(k=3, plain=5, spec=3)
-        seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
-        for s in seqs:
-            ssd.engine.add(s)
-        ssd.engine.run()
-        ssd.engine.blocks.check_all_free()
+        seqs = _run_greedy(ssd, prompts, 40)
         assert [s.output_ids for s in seqs] == refs
         stats = ssd.proposer.stats
         assert stats.deferred_outcomes >= 10, stats.deferred_outcomes
@@ -98,7 +90,7 @@ def test_bench_concurrent_runs_keep_one_planner_and_restore_the_engines(tiny_mod
 
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
-    refs = _ar_outputs(target, prompts, 16)
+    refs = greedy_outputs(target, prompts, 16)
     pair = LoadedPair(target, None, tokenizer=None, eos_ids=())
     params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 2
     cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from spec_core.config import resolve_dtype
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 DEADLINE_S = 120
 
@@ -51,8 +53,6 @@ def test_readme_serve_command_serves_within_two_minutes() -> None:
                                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
         answer = res.choices[0].message.content
         assert answer.strip()
-        from spec_core.config import resolve_dtype
-
         if resolve_dtype("auto") == "float32":  # the exactness reference; bf16 is another numeric model, and on an
             assert "Paris" in answer  # AMX Xeon it answers "L'Étoile, la Marseillaise, ..." (so does `ssd generate
             # --dtype bfloat16` there, before and after session 33's changes)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from reference_decoding import generate_ar
+from reference_decoding import greedy_outputs
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
 from spec_core.config import SamplingParams, SSDConfig, TreeShape
@@ -21,15 +21,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_c
 def _prompts(n: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(4)
     return [torch.randint(0, 256, (4 + 3 * i,), generator=gen).tolist() for i in range(n)]
-
-
-def _reference(target: ModelRunner, prompts, n_new: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        seq = Sequence("ref", p, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
-        generate_ar(target, seq)
-        out.append(seq.output_ids)
-    return out
 
 
 def _run(target, cfg: LocalSSDConfig, prompts, n_new: int):
@@ -68,7 +59,7 @@ def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
     ssd_cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), drop_cache=drop)
     outs, stats, _, _ = _run(target, LocalSSDConfig(str(tiny_models[draft]), ssd_cfg, max_num_seqs=4, **opts),
                              prompts, 24)
-    assert outs == _reference(target, prompts, 24)
+    assert outs == greedy_outputs(target, prompts, 24)
     if regime == "all_hits":
         assert stats.cache_hit_rate >= 0.6, stats
     if regime == "tree_hits":
@@ -86,7 +77,7 @@ def test_concurrency_is_real(tiny_models):
                          verify_delay_s=0.2, tree_delay_s=0.14, wait_fraction=1.0)
     prompts = _prompts(1)
     outs, stats, info, engine = _run(target, cfg, prompts, 16)
-    assert outs == _reference(target, prompts, 16)
+    assert outs == greedy_outputs(target, prompts, 16)
     assert info["affinity"] and info["verifier_affinity"]
     assert set(info["affinity"]).isdisjoint(info["verifier_affinity"]), info
     assert info["pid"] != os.getpid()
@@ -102,7 +93,7 @@ def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
     ``wait_fraction`` of a verify) and they serve the rounds, exactly. With a cap of 1% of a verify it never waits."""
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(1)
-    reference = _reference(target, prompts, 32)
+    reference = greedy_outputs(target, prompts, 32)
     got = {}
     for fraction in (0.5, 0.01):
         cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6)),
@@ -192,7 +183,7 @@ def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
         local.engine.run()
         local.engine.blocks.check_all_free()
         alive, stats = local.proc.is_alive(), local.proposer.stats
-    assert [s.output_ids for s in seqs] == _reference(target, prompts, 12)
+    assert [s.output_ids for s in seqs] == greedy_outputs(target, prompts, 12)
     assert alive  # before the fix, the drafter process died of NoFreeBlocks and the backup served the rest
     # It answered misses all along. (Whether an answer comes within the verifier's wait depends on the machine's
     # load: with three such tests at once on two cores, 16-63 drafts arrived and 0-8 were in time.)
@@ -206,7 +197,7 @@ def test_local_drafter_killed_mid_stream_recovers(tiny_models):
 
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(2)
-    ref = _reference(target, prompts, 48)
+    ref = greedy_outputs(target, prompts, 48)
     cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=1,
                          verify_delay_s=0.02, wait_fraction=1.0, restart_interval_s=0.2)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -308,5 +299,5 @@ def test_prefill_and_first_outcome_in_one_drafter_batch_keep_its_kv_right(tiny_m
     for s in seqs:
         engine.add(s)
     engine.run()
-    assert [s.output_ids for s in seqs] == _reference(target, prompts, 17)
+    assert [s.output_ids for s in seqs] == greedy_outputs(target, prompts, 17)
     assert all(s.stats.num_accepted == s.stats.num_drafted > 0 for s in seqs), [s.stats for s in seqs]
