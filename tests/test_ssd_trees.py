@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ssd import _reference
+from reference_decoding import greedy_outputs
 
 from protos import codec
 from spec_core.config import SamplingParams, SSDConfig, TreeShape
@@ -143,7 +143,7 @@ def test_greedy_trees_equal_ar_in_every_regime(pair, regime):
     prompts = _prompts(4)
     outs, s, _ = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 24, drop_cache=regime != "hits",
                                jit=regime != "backup")
-    assert outs == _reference(target, prompts, 24)
+    assert outs == greedy_outputs(target, prompts, 24)
     if regime != "backup":  # the backup is an n-gram chain
         assert s.tree_nodes > 4 * s.rounds, s  # the verifier saw trees, not 4-token chains
     if regime == "hits":
@@ -217,5 +217,5 @@ def test_greedy_auto_trees_equal_ar(pair):
     target, draft = pair
     prompts = _prompts(4)
     outs, s, _ = _loopback_run(target, draft, TreeShape.parse("auto"), prompts, 24)
-    assert outs == _reference(target, prompts, 24)
+    assert outs == greedy_outputs(target, prompts, 24)
     assert s.hits > 0 and s.tree_nodes > 4 * s.rounds, s
