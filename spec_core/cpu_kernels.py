@@ -104,7 +104,7 @@ class DecodeKernels:
         self._silu_mul = getattr(lib, f"silu_mul_{suf}")
         self._silu_mul.argtypes = [p, p, i, i]
         self._attend = getattr(lib, f"rope_store_attend_{suf}")
-        self._attend.argtypes = [p, p, p, p, p, p, p, p, p, i, i, i, i, i, i]
+        self._attend.argtypes = [p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, i]
         for f in (self._norm, self._silu_mul, self._attend):
             f.restype = None
 
@@ -124,15 +124,19 @@ class DecodeKernels:
 
     def rope_store_attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                           pool_ptr: int, write: torch.Tensor, kv_slots: torch.Tensor, mask: torch.Tensor | None,
-                          out: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> None:
+                          out: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                          lengths: torch.Tensor | None = None, t: int | None = None) -> None:
         """One layer's attention for ``B`` rows of ``T`` new tokens (``kv_slots [B, S]``, ``mask [B, T, S]`` or
         None): RoPE on q and k (``rope``: fp32 cos and sin ``[positions, D]``), the new K/V stored at ``write`` in
-        the pool layer at ``pool_ptr`` (``[slots, 2 · kv_heads, D]``), then softmax attention into ``out``."""
+        the pool layer at ``pool_ptr`` (``[slots, 2 · kv_heads, D]``), then softmax attention into ``out``. With
+        ``lengths`` (``[B]``, and ``t`` = T), row b has ``lengths[b]`` tokens and the per-token tensors hold only
+        those, row after row (``decode_ops.c``, "Ragged rows")."""
         bsz, s = kv_slots.shape
-        t = write.numel() // bsz
+        t = write.numel() // bsz if lengths is None else t
         self._attend(qkv.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), positions.data_ptr(), pool_ptr,
                      write.data_ptr(), kv_slots.data_ptr(), None if mask is None else mask.data_ptr(),
-                     out.data_ptr(), bsz, t, s, heads, kv_heads, head_dim)
+                     None if lengths is None else lengths.data_ptr(), out.data_ptr(), bsz, t, s, heads, kv_heads,
+                     head_dim)
 
 
 class QuantGemm:
@@ -259,18 +263,19 @@ class FusedDecoder:
                    mat(layer.o), mat(layer.gate_up), mat(layer.down)) for layer in layers))
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._run = lib.decoder_layers_f32
-        self._run.argtypes = [p, p, i, ctypes.c_float, p, p, p, p, i, p, p, p, i, i, i, i, i, i, i]
+        self._run.argtypes = [p, p, i, ctypes.c_float, p, p, p, p, i, p, p, p, p, i, i, i, i, i, i, i]
         self._run.restype = ctypes.c_int
 
-    def run(self, runner, cache, batch, h: torch.Tensor, positions: torch.Tensor) -> None:
-        """Every layer over ``h [B · T, hidden]``, in place (the contract of :func:`run_paged`)."""
-        spec, pool, mask = runner.spec, cache.kv, batch.attn_mask
-        bsz, s = batch.kv_slots.shape
+    def run(self, runner, cache, batch, h: torch.Tensor, positions: torch.Tensor, write: torch.Tensor) -> None:
+        """Every layer over ``h``'s rows (``positions`` and ``write`` theirs), in place: all ``B · T`` tokens, or
+        the real ones of ``batch.lengths`` (the contract of :func:`run_paged`)."""
+        spec, pool, mask, lengths = runner.spec, cache.kv, batch.attn_mask, batch.lengths
+        bsz, t = batch.input_ids.shape
         rc = self._run(h.data_ptr(), self.layers, len(self.layers), spec.rms_norm_eps, runner.rope_f32[0].data_ptr(),
                        runner.rope_f32[1].data_ptr(), positions.data_ptr(), pool.data_ptr(), pool.stride(0),
-                       batch.write_slots.data_ptr(), batch.kv_slots.data_ptr(),
-                       None if mask is None else mask.data_ptr(), bsz, h.shape[0] // bsz, s, spec.num_heads,
-                       spec.num_kv_heads, spec.head_dim, gemm_threads())
+                       write.data_ptr(), batch.kv_slots.data_ptr(), None if mask is None else mask.data_ptr(),
+                       None if lengths is None else lengths.data_ptr(), bsz, t, batch.kv_slots.shape[1],
+                       spec.num_heads, spec.num_kv_heads, spec.head_dim, gemm_threads())
         if rc != 0:
             raise MemoryError("the fused decoder could not allocate its buffers")
 
@@ -289,19 +294,31 @@ def run_paged(runner, cache, batch) -> torch.Tensor:
     at its ``write_slots`` entry, then each query attends the ``kv_slots`` its mask row allows."""
     k, spec = runner.kernels, runner.spec
     bsz, t = batch.input_ids.shape
-    h = torch.nn.functional.embedding(batch.input_ids.reshape(-1), runner.embed)
-    positions = batch.positions.reshape(-1).contiguous()
+    ids, positions, write = batch.input_ids.reshape(-1), batch.positions.reshape(-1), batch.write_slots.reshape(-1)
+    real = None
+    if batch.lengths is not None:  # ragged rows: only the real tokens go through (PagedBatch.lengths)
+        real = (torch.arange(t)[None, :] < batch.lengths[:, None]).reshape(-1).nonzero().reshape(-1)
+        ids, positions, write = ids[real], positions[real], write[real]
+    h = torch.nn.functional.embedding(ids, runner.embed)
+    positions, write = positions.contiguous(), write.contiguous()
     if runner.fused is not None:
-        runner.fused.run(runner, cache, batch, h, positions)
-        return h.view(bsz, t, -1)
-    attn = h.new_empty(bsz * t, runner.q_size)
+        runner.fused.run(runner, cache, batch, h, positions, write)
+        return _unpack(h, real, bsz, t)
+    attn = h.new_empty(h.shape[0], runner.q_size)
     pool = cache.kv
     base, stride = pool.data_ptr(), pool.stride(0) * pool.element_size()
     heads, eps = (spec.num_heads, spec.num_kv_heads, spec.head_dim), spec.rms_norm_eps
     for li, layer in enumerate(runner.layers):
         qkv = matmul(k.rms_norm(h, layer.ln_attn.weight, eps), layer.qkv, layer.qkv_bias)
-        k.rope_store_attend(qkv, runner.rope_f32, positions, base + li * stride, batch.write_slots,
-                            batch.kv_slots, batch.attn_mask, attn, *heads)
+        k.rope_store_attend(qkv, runner.rope_f32, positions, base + li * stride, write, batch.kv_slots,
+                            batch.attn_mask, attn, *heads, lengths=batch.lengths, t=t)
         h.add_(matmul(attn, layer.o))
         h.add_(matmul(k.silu_mul(matmul(k.rms_norm(h, layer.ln_mlp.weight, eps), layer.gate_up)), layer.down))
-    return h.view(bsz, t, -1)
+    return _unpack(h, real, bsz, t)
+
+
+def _unpack(h: torch.Tensor, real: torch.Tensor | None, bsz: int, t: int) -> torch.Tensor:
+    """``[B, T, hidden]`` from the hidden states of every token, or of the ``real`` ones (pads' rows zero)."""
+    if real is None:
+        return h.view(bsz, t, -1)
+    return h.new_zeros(bsz * t, h.shape[-1]).index_copy_(0, real, h).view(bsz, t, -1)

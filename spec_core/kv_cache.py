@@ -74,6 +74,9 @@ class PagedBatch:
     attn_mask: ``[B, T, S]`` bool; every query row must see at least one slot (pads see their own scratch). None
         when every query sees every slot (decode rows of equal length): attention then skips the mask.
     logits_index: ``[B, T']`` rows of T whose logits are returned (None = all).
+    lengths: ``[B]`` each row's real tokens (the first ones of its T), where the rows differ and the CPU kernels
+        may skip the pad tokens (:func:`spec_core.cpu_kernels.run_paged`); None = run all B · T. It changes no
+        real token's result, only what the pads cost.
     """
 
     input_ids: torch.Tensor
@@ -82,3 +85,4 @@ class PagedBatch:
     kv_slots: torch.Tensor
     attn_mask: torch.Tensor | None
     logits_index: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None

@@ -77,12 +77,17 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
     bookkeeping).
     """
     bsz = len(items)
-    t_max = max(len(it.token_ids) for it in items)
+    lens = [len(it.token_ids) for it in items]
+    t_max = max(lens)
     s_max = max(len(it.prefix_slots) + len(it.extra_slots) + len(it.token_ids) for it in items)
     l_max = max(1, max(len(it.logits_rows) for it in items))
     if row_padding is not None:
         t_max, l_max = row_padding.tokens(bsz, t_max), row_padding.tokens(bsz, l_max)
-    widths = (t_max, t_max, t_max, s_max, l_max)  # input_ids, positions, write_slots, kv_slots, logits_index
+    real = sum(lens)
+    ragged = real < bsz * t_max and (row_padding is None or row_padding.skip_pads(real, bsz * t_max))
+    # input_ids, positions, write_slots, kv_slots, logits_index, and each row's real tokens where the kernels may
+    # skip its pads (PagedBatch.lengths)
+    widths = (t_max, t_max, t_max, s_max, l_max, int(ragged))
     rows = []
     mask = np.zeros((bsz, t_max, s_max), dtype=bool)
     for b, it in enumerate(items):
@@ -90,7 +95,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         pad, kv = t_max - t, p + e + t
         rows.append([*it.token_ids, *[0] * pad, *it.positions, *[0] * pad, *it.write_slots, *[scratch_slot] * pad,
                      *it.prefix_slots, *it.extra_slots, *it.write_slots, *[scratch_slot] * (s_max - kv),
-                     *it.logits_rows, *[0] * (l_max - len(it.logits_rows))])
+                     *it.logits_rows, *[0] * (l_max - len(it.logits_rows)), *[t] * ragged])
         mask[b, :t, :p] = True
         if e:
             mask[b, :t, p : p + e] = it.extra_mask.numpy()  # a host tensor (WorkItem)
@@ -110,6 +115,7 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
         kv_slots=fields[3].contiguous(),
         attn_mask=buf[n_int:].view(torch.bool).view(bsz, t_max, s_max) if mask.size else None,
         logits_index=fields[4],
+        lengths=fields[5].reshape(-1).contiguous() if ragged else None,
     )
 
 

@@ -101,7 +101,8 @@ def test_runner_forward_through_the_kernels_matches_its_torch_path(toy_pair):
     assert torch.allclose(a, b, atol=1e-4)
     a, b = run([item(40, 1, 0), item(36, 5, 64, parents=(-1, -1, 0, 1))])  # a decode row and a tree row
     assert torch.allclose(a, b, atol=1e-4) and torch.equal(a.argmax(-1), b.argmax(-1))
-    assert torch.allclose(caches[0].kv, caches[1].kv, atol=1e-5)
+    live = [s for s in range(caches[0].kv.shape[1]) if s != caches[0].scratch_slot]  # the kernels skip pads' K/V
+    assert torch.allclose(caches[0].kv[:, live], caches[1].kv[:, live], atol=1e-5)
 
 
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")

@@ -10,6 +10,11 @@
  * Each function comes in two forms, for fp32 and bf16 activations (suffix _f32, _bf16). Built by
  * spec_core/cpu_kernels.py with -O3 -march=native -fopenmp-simd and called through ctypes, which releases the GIL
  * for the call. Pointers are to contiguous row-major buffers; indices are int64.
+ *
+ * Ragged rows. Attention takes B rows of up to T new tokens. With lens NULL every row has T (pad tokens included,
+ * as in the padded [B, T] batch); otherwise row b has lens[b] and the per-token buffers (qkv, pos, write, out) hold
+ * only real tokens, row after row, so pad tokens cost neither attention nor (in the caller) matmuls. The mask
+ * stays [B, T, S]. A token's arithmetic is the same either way.
  */
 #include <math.h>
 #include <stdint.h>
@@ -167,9 +172,12 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
     }                                                                                                                \
                                                                                                                      \
     void rope_store_attend_##SUF(const ACT *qkv, const float *cos, const float *sin, const int64_t *pos, ACT *pool, \
-                                 const int64_t *write, const int64_t *kv, const uint8_t *mask, ACT *out, int64_t B,  \
-                                 int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D) {                          \
-        const int64_t n = B * T, width = (H + 2 * KVH) * D, slot = 2 * KVH * D, group = H / KVH;                     \
+                                 const int64_t *write, const int64_t *kv, const uint8_t *mask, const int64_t *lens,  \
+                                 ACT *out, int64_t B, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D) {     \
+        int64_t n = B * T;                                                                                           \
+        if (lens) /* ragged rows: row b's lens[b] tokens, packed one row after another (module comment) */          \
+            for (int64_t b = n = 0; b < B; b++) n += lens[b];                                                        \
+        const int64_t width = (H + 2 * KVH) * D, slot = 2 * KVH * D, group = H / KVH;                                \
         const int64_t tq = T < QUERY_CHUNK ? T : QUERY_CHUNK;                                                        \
         const float scale = 1.0f / sqrtf((float)D);                                                                  \
         float *q = malloc(sizeof(float) * (size_t)(n * H * D + D + tq * H * S + tq * H * D));                        \
@@ -194,12 +202,12 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
          * every head's scores (each slot's K heads are contiguous), a second accumulates every head's output from   \
          * its V heads. Score and output row r is query t of the chunk, head h: r = t * H + h, with                  \
          * h = j * group + g on K/V head j. Each query's arithmetic is its own, whatever the chunk holds. */         \
-        for (int64_t b = 0; b < B; b++) {                                                                            \
-            const int64_t *slots = kv + b * S;                                                                       \
-            for (int64_t t0 = 0; t0 < T; t0 += QUERY_CHUNK) {                                                        \
-                const int64_t tc = T - t0 < QUERY_CHUNK ? T - t0 : QUERY_CHUNK, m = tc * H;                          \
+        for (int64_t b = 0, r0 = 0; b < B; r0 += lens ? lens[b] : T, b++) {                                         \
+            const int64_t *slots = kv + b * S, tb = lens ? lens[b] : T;                                              \
+            for (int64_t t0 = 0; t0 < tb; t0 += QUERY_CHUNK) {                                                       \
+                const int64_t tc = tb - t0 < QUERY_CHUNK ? tb - t0 : QUERY_CHUNK, m = tc * H;                        \
                 const uint8_t *mb = mask ? mask + (b * T + t0) * S : NULL;                                           \
-                const float *qb = q + (b * T + t0) * H * D;                                                          \
+                const float *qb = q + (r0 + t0) * H * D;                                                             \
                 if (!scores_fast_##SUF(pool, slots, slot, S, KVH, D, H, tc, mb, qb, scores)) {                       \
                     for (int64_t x = 0; x < S; x++) {                                                                \
                         if (x + AHEAD < S) prefetch(pool + slots[x + AHEAD] * slot, KVH * D * (int64_t)sizeof(ACT)); \
@@ -232,7 +240,7 @@ static void softmax_rows(float *restrict sc, int64_t m, int64_t n) {
                         }                                                                                            \
                     }                                                                                                \
                 }                                                                                                    \
-                ACT *o = out + (b * T + t0) * H * D;                                                                 \
+                ACT *o = out + (r0 + t0) * H * D;                                                                    \
                 for (int64_t e = 0; e < m * D; e++) STORE(o + e, acc[e]);                                            \
             }                                                                                                        \
         }                                                                                                            \

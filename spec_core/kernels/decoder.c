@@ -18,8 +18,8 @@
 void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t d, float eps);
 void silu_mul_f32(const float *gu, float *out, int64_t rows, int64_t f);
 void rope_store_attend_f32(const float *qkv, const float *cos, const float *sin, const int64_t *pos, float *pool,
-                           const int64_t *write, const int64_t *kv, const uint8_t *mask, float *out, int64_t B,
-                           int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D);
+                           const int64_t *write, const int64_t *kv, const uint8_t *mask, const int64_t *lens,
+                           float *out, int64_t B, int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D);
 void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, int64_t rows, int64_t k, int64_t n,
                int64_t threads);
 void q4_gemm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int64_t rows, int64_t k,
@@ -48,15 +48,19 @@ static void add_rows(float *restrict h, const float *restrict y, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] += y[i];
 }
 
-/* h [B·T, hidden] in place: every layer of `layers` over the new tokens (positions `pos`, K/V written at `write` in
+/* h [n, hidden] in place: every layer of `layers` over the new tokens (positions `pos`, K/V written at `write` in
  * the pool, each layer's pool `pool_stride` floats after the last; `kv` [B, S] the slots each row attends, `mask`
- * [B, T, S] or NULL), the matmuls on `threads` threads. Returns 0, or -1 where a buffer cannot be allocated. */
+ * [B, T, S] or NULL; `lens` NULL, n = B·T, or the ragged rows' token counts, n = their sum, as in decode_ops.c),
+ * the matmuls on `threads` threads. Returns 0, or -1 where a buffer cannot be allocated. */
 int decoder_layers_f32(float *h, const qlayer *layers, int64_t n_layers, float eps, const float *cos,
                        const float *sin, const int64_t *pos, float *pool, int64_t pool_stride, const int64_t *write,
-                       const int64_t *kv, const uint8_t *mask, int64_t B, int64_t T, int64_t S, int64_t H,
-                       int64_t KVH, int64_t D, int64_t threads) {
+                       const int64_t *kv, const uint8_t *mask, const int64_t *lens, int64_t B, int64_t T, int64_t S,
+                       int64_t H, int64_t KVH, int64_t D, int64_t threads) {
     if (n_layers == 0) return 0;
-    const int64_t n = B * T, hidden = layers[0].qkv.in, ff = layers[0].down.in, width = layers[0].qkv.out;
+    int64_t n = B * T;
+    if (lens)
+        for (int64_t b = n = 0; b < B; b++) n += lens[b];
+    const int64_t hidden = layers[0].qkv.in, ff = layers[0].down.in, width = layers[0].qkv.out;
     const int64_t wide = width > 2 * ff ? width : 2 * ff;
     float *buf = malloc(sizeof(float) * (size_t)(n * (hidden + wide + H * D + hidden + ff)));
     if (!buf) return -1;
@@ -68,8 +72,8 @@ int decoder_layers_f32(float *h, const qlayer *layers, int64_t n_layers, float e
         mat_mul(&l->qkv, normed, wide_out, n, threads);
         if (l->qkv_bias)
             for (int64_t r = 0; r < n; r++) add_rows(wide_out + r * width, l->qkv_bias, width);
-        rope_store_attend_f32(wide_out, cos, sin, pos, pool + li * pool_stride, write, kv, mask, attn, B, T, S, H,
-                              KVH, D);
+        rope_store_attend_f32(wide_out, cos, sin, pos, pool + li * pool_stride, write, kv, mask, lens, attn, B, T,
+                              S, H, KVH, D);
         mat_mul(&l->o, attn, y, n, threads);
         add_rows(h, y, n * hidden);
         rms_norm_f32(h, l->ln_mlp, normed, n, hidden, eps);
