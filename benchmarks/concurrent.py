@@ -42,6 +42,7 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
     engine = _engine(pair, mode, k, concurrency, local_ssd)
     own, engine.adaptive = engine.adaptive, (planner if mode != "ar" else None)
     held_before = planner.backoff_steps if planner is not None else 0
+    lent_before = engine.lending.lent_steps if engine.lending is not None else 0
     ks: list[int] = []
     seqs = [Sequence(f"c{i}", ids, p, eos_ids=pair.eos_ids, max_len=pair.target.spec.max_positions)
             for i, (ids, p) in enumerate(zip(prompts, params))]
@@ -70,6 +71,9 @@ def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params
         "mean_batch_k": sum(ks) / len(ks) if ks else None,
         # steps the measured back-off held the batch at plain decoding (speculation measured slower than plain)
         "backoff_step_fraction": (planner.backoff_steps - held_before) / len(ks) if planner is not None and ks
+        else None,
+        # steps that ran on the drafter's core too, every request plain (verifier_service.core_lending)
+        "lent_step_fraction": (engine.lending.lent_steps - lent_before) / len(ks) if engine.lending is not None and ks
         else None,
     }
     if before is not None:

@@ -126,6 +126,8 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         # branches per pre-drafted bundle: the fan-out budget, or less where the drafter fitted it to the verify
         "branches_per_bundle": mean([e["branches_per_bundle"] for e in ssd_extra or []
                                      if e.get("branches_per_bundle") is not None]),
+        # steps that ran on the drafter's core too, every request plain (verifier_service.core_lending)
+        "lent_steps": sum(e.get("lent_steps", 0) for e in ssd_extra) if ssd_extra else None,
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
         "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and not is_ar(mode) else None,
         "num_runs": len(tps),
@@ -208,6 +210,7 @@ def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference:
         "mean_batch_k": mean([r["mean_batch_k"] for r in runs if r.get("mean_batch_k") is not None]),
         "backoff_step_fraction": mean([r["backoff_step_fraction"] for r in runs
                                        if r.get("backoff_step_fraction") is not None]),
+        "lent_step_fraction": mean([r["lent_step_fraction"] for r in runs if r.get("lent_step_fraction") is not None]),
         "num_runs": len(runs),
         "num_generated": sum(r["num_generated"] for r in runs), "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

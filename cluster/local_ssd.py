@@ -21,6 +21,7 @@ from drafter_service.process import DrafterProcessConfig, spawn_drafter
 from protos import codec
 from spec_core.config import SSDConfig, draft_dtype
 from spec_core.runner import ModelRunner
+from verifier_service.core_lending import core_lending
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.ssd_proposer import SSDProposer
@@ -55,6 +56,8 @@ class LocalSSDConfig:
     restart_interval_s: float = 0.5
     #: How sampled requests draw (``EngineConfig.sampling``: auto, residual or coupled).
     sampling: str = "auto"
+    #: Plain steps borrow the drafter's core while nothing speculates (:mod:`verifier_service.core_lending`).
+    lend_cores: bool = True
 
 
 class LocalSSD:
@@ -127,6 +130,12 @@ class LocalSSD:
             from verifier_service.adaptive import AdaptiveK
 
             self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
+        if cfg.lend_cores:
+            allowed = self._old_affinity if self._old_affinity is not None else set()
+            self.engine.lending = core_lending(cfg.verifier_core, cfg.drafter_core, self.target, allowed)
+        if self.engine.lending is not None:
+            with self.engine.lending.lent():
+                self.target.row_padding()  # measured per thread count: now, not in the first lent step
         if cfg.restart_interval_s > 0:
             self._watcher = threading.Thread(target=self._watch, name="drafter-watch", daemon=True)
             self._watcher.start()
@@ -175,6 +184,8 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         "bundle_wait_rate": delta["bundle_waited"] / delta["rounds"] if delta["rounds"] else None,
         # the drafter's fan-out actually built: below the budget where it fitted bundles to the verifier's step
         "branches_per_bundle": delta["branches"] / delta["bundles"] if delta["bundles"] else None,
+        # steps on both cores, every request plain (verifier_service.core_lending)
+        "lent_steps": delta["lent"],
     }
     return seq, stats, ssd
 
@@ -184,4 +195,5 @@ def _snapshot(local: LocalSSD) -> dict[str, float]:
     return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup, "tree_nodes": s.tree_nodes,
             "spec_rounds": sum(s.accepted_hist), "off_spine": s.off_spine_rounds, "bundle_waited": s.bundle_wait_rounds,
             "lookup_tokens": s.lookup_tokens,
-            "bundles": s.bundles_received, "branches": s.branches_received}
+            "bundles": s.bundles_received, "branches": s.branches_received,
+            "lent": local.engine.lending.lent_steps if local.engine.lending is not None else 0}

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -119,6 +120,9 @@ class VerifierEngine:
         self.k = k if drafter is not None else 0
         #: Optional :class:`verifier_service.adaptive.AdaptiveK`: K per request and step from measured costs.
         self.adaptive = None
+        #: Optional :class:`verifier_service.core_lending.CoreLending`: plain steps on the drafter's core too.
+        self.lending = None
+        self._lent = False
         self.metrics = EngineMetrics()
 
     # ---- request lifecycle ---------------------------------------------------------------------------------
@@ -198,8 +202,11 @@ class VerifierEngine:
         if self.drafter is None or not seqs:
             return {}
         self._plan_k(seqs)
+        ks = [self._k_for(s) for s in seqs]
+        self._lent = self.lending is not None and self.lending.plan(not any(ks))
         t_d = time.perf_counter()
-        trees = dict(zip((s.request_id for s in seqs), self.drafter.propose(seqs, [self._k_for(s) for s in seqs])))
+        proposed = self.drafter.propose(seqs, ks, quiet=True) if self._lent else self.drafter.propose(seqs, ks)
+        trees = dict(zip((s.request_id for s in seqs), proposed))
         draft_s = time.perf_counter() - t_d
         self.metrics.draft_s += draft_s
         for seq in seqs:  # a batched proposal's time counts for every request in it
@@ -218,12 +225,13 @@ class VerifierEngine:
         if not work:
             return []
         c0, emitted_before = crossings().total, self.metrics.tokens_emitted
+        self._lent = False
         trees = self._propose(work)
         c_propose = crossings().total - c0
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
-        with self.runner.kernel_threads():
+        with self.lending.lent() if self._lent else contextlib.nullcontext(), self.runner.kernel_threads():
             finished = self._verify_step(work, items, chosen)
         self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before)
         return finished

@@ -133,7 +133,10 @@ class SSDProposer:
         return st.jit.get(st.round), False
 
     # ---- proposer interface ---------------------------------------------------------------------------------
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[TokenTree]:
+    def propose(self, seqs: list[Sequence], ks: list[int], quiet: bool = False) -> list[TokenTree]:
+        """One tree per request (empty where K = 0 or nothing came). ``quiet``: the step runs on the drafter's
+        core (:mod:`verifier_service.core_lending`), so a new request planned plain tells the drafter nothing yet;
+        its prompt goes with the first round that speculates."""
         if self.pending_link is not None:
             link, self.pending_link = self.pending_link, None
             self.replace_link(link)
@@ -146,6 +149,9 @@ class SSDProposer:
             self.stats.fast_backup_steps += int(not self.jit_allowed)
         for seq, k in zip(seqs, ks):
             st = self.state.get(seq.request_id)
+            if st is None and quiet and k == 0:
+                specs[seq.request_id] = None
+                continue
             if st is None:  # first round: the drafter catches up on the prompt while the target prefills
                 self.state[seq.request_id] = SSDRequestState(asked={0} if k > 0 else set())  # round 0's bundle
                 # a coupled request's drafter races with this side's seed (spec_core.coupling)
@@ -249,7 +255,9 @@ class SSDProposer:
         return True
 
     def _to_tree(self, seq: Sequence, k: int, spec: Speculation | None) -> TokenTree:
-        st = self.state[seq.request_id]
+        st = self.state.get(seq.request_id)
+        if st is None:  # held back by a quiet step: plain
+            return TokenTree(parents=[], token_ids=[], draft_probs=None)
         st.speculating = st.round > 0 and k > 0
         if st.speculating:
             self.stats.rounds += 1
@@ -285,7 +293,9 @@ class SSDProposer:
 
     def commit(self, seq: Sequence, n: int, tree: TokenTree, path: list[int], next_k: int) -> None:
         """Tell the drafter the outcome of this round right away (it starts the next bundle on it)."""
-        st = self.state[seq.request_id]
+        st = self.state.get(seq.request_id)
+        if st is None:  # the drafter has not heard of the request yet (a quiet step held it back)
+            return
         now = time.perf_counter()
         st.verify_end = now
         accepted = [tree.token_ids[i] for i in path]

@@ -1,0 +1,71 @@
+"""Lending the drafter's core to the verifier while nothing speculates (the local two-process SSD on a CPU).
+
+SSD holds two cores: the verifier's and the drafter's. Where speculation does not pay, the planner decodes the whole
+batch plain (K = 0 for every request: the measured back-off, as for sampled requests at batch 16 on a CPU), the
+drafter has nothing to draft, and SSD ran as AR on one core while its second idled (`ar-2t`, AR on both cores, is
+1.50x `ar` at batch 16 in bf16 at T = 0.8). So once ``after`` steps in a row were plain (time for the drafter to
+finish the bundles of the last speculating step), each further plain step runs the verifier's forward and
+verification on both cores: CPU affinity over both and torch on two threads, handed back at the end of the step.
+A step that speculates never borrows the core. While a step is lent the proposer also holds back the prompts of new
+requests the planner starts plain (:meth:`verifier_service.ssd_proposer.SSDProposer.propose`, ``quiet``), so nothing
+wakes the drafter; such a request tells the drafter its tokens when it first speculates.
+
+Only the local SSD (:class:`cluster.local_ssd.LocalSSD`) lends, and only on a CPU: it pins both processes, so it
+knows the drafter's core is its own. Never for the fp32 exactness reference: its matmuls round differently on two
+threads (SmolLM2-135M decode logits moved by up to 4e-5), and its greedy output must stay transformers' token for
+token. The compiled matmuls split a call over its outputs, so their runners (int4, w8a8) give the same floats on
+two threads (tests/test_cpu_kernels.py); bf16's oneDNN matmuls do not, and bf16 reports its agreement with fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class CoreLending:
+    """The streak of plain steps and the lent ones (``lent_steps``, a counter for reports)."""
+
+    verifier_core: int
+    drafter_core: int
+    #: Plain steps in a row before the next plain one borrows the drafter's core.
+    after: int = 4
+    streak: int = 0
+    lent_steps: int = 0
+
+    def plan(self, plain: bool) -> bool:
+        """Count a step (``plain``: every request at K = 0); whether it runs on both cores."""
+        self.streak = self.streak + 1 if plain else 0
+        lent = self.streak > self.after
+        self.lent_steps += int(lent)
+        return lent
+
+    @contextlib.contextmanager
+    def lent(self) -> Iterator[None]:
+        """This thread on both cores, torch on two threads; both put back after."""
+        affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+        os.sched_setaffinity(0, {self.verifier_core, self.drafter_core})
+        torch.set_num_threads(2)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            os.sched_setaffinity(0, affinity)
+
+
+def core_lending(verifier_core: int | None, drafter_core: int | None, target, allowed: set[int]
+                 ) -> CoreLending | None:
+    """A :class:`CoreLending` where it applies: a CPU target off the fp32 reference (module docstring), two
+    distinct pinned cores, both in ``allowed`` (the cores this process might use before it pinned itself)."""
+    if target.device.type != "cpu" or target.exact or not hasattr(os, "sched_setaffinity"):
+        return None
+    if None in (verifier_core, drafter_core):
+        return None
+    if verifier_core == drafter_core or not {verifier_core, drafter_core} <= allowed:
+        return None
+    return CoreLending(verifier_core, drafter_core)
