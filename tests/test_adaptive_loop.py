@@ -48,7 +48,9 @@ def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
 
 class _ScriptedK:
     """A planner that runs ``plain`` plain steps, then ``spec`` at K = ``k``, repeatedly (the engine's
-    ``adaptive`` interface: plan, observe_step, batch_k)."""
+    ``adaptive`` interface: plan, observe_step, batch_k; and the bench's backoff_steps)."""
+
+    backoff_steps = 0
 
     def __init__(self, k: int, plain: int, spec: int) -> None:
         self.k, self.plain, self.spec, self.steps, self.batch_k = k, plain, spec, 0, 0
@@ -58,7 +60,7 @@ class _ScriptedK:
         self.batch_k = self.k if self.steps % (self.plain + self.spec) >= self.plain else 0
         return dict.fromkeys(accept, self.batch_k)
 
-    def observe_step(self, *args) -> None:
+    def observe_step(self, *args, **kwargs) -> None:
         pass
 
 

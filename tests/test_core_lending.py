@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from test_adaptive import FixedCost
 from test_adaptive_loop import _ScriptedK
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
@@ -16,6 +17,7 @@ from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
 from spec_core.speculation import PrefillEvent
+from verifier_service.adaptive import AdaptiveK
 from verifier_service.core_lending import CoreLending, core_lending
 from verifier_service.engine import EngineConfig, VerifierEngine
 from verifier_service.scheduler import SchedulerConfig
@@ -122,3 +124,49 @@ def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models) -> No
     assert [s.output_ids for s in seqs] == refs
     assert lending.lent_steps >= 8 and set(threads) == {1, 4}
     assert seqs[2].stats.num_drafted > 0  # the held-back request speculated once its prompt went over
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the verifier and the drafter each pinned to a core of their own")
+@pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
+def test_the_bench_reports_its_lent_steps(tiny_models) -> None:
+    from benchmarks.concurrent import run_concurrent
+    from spec_core.models import LoadedPair
+
+    target = ModelRunner(tiny_models["llama"], weights="int4")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2)
+    with LocalSSD(target, cfg) as ssd:
+        out = run_concurrent(LoadedPair(target, None, tokenizer=None, eos_ids=()), "ssd", prompts, params, 3, 2, ssd,
+                             _ScriptedK(k=3, plain=9, spec=3))
+    assert out["outputs"] == _engine_ar(target, prompts, 30)
+    assert 0.3 < out["lent_step_fraction"] < 0.7  # 5 of every 12 steps, and the prefill
+
+
+def _simulate(planner: AdaptiveK, emitted: float, steps: int = 1500) -> tuple[float, CoreLending]:
+    """Batch 1 on a machine where a plain step takes 1.0 on one core and 0.6 on both, and a speculating one 1.1 for
+    ``emitted`` tokens; the engine lends as :class:`CoreLending` says. Returns (tokens per unit time, lending)."""
+    lending, tokens, spent = CoreLending(0, 1), 0.0, 0.0
+    planner.lend_after = lending.after if planner.lend_after is not None else None
+    for step in range(steps):
+        k = planner.plan({"r": (50, 100, step)})["r"]
+        lent = planner.lend_after is not None and lending.plan(k == 0)
+        s, e = (0.6, 1.0) if lent else (1.0, 1.0) if k == 0 else (1.1, emitted)
+        planner.observe_step(1 + k, s, e, 1, lent=lent)
+        tokens, spent = tokens + e, spent + s
+    return tokens / spent, lending
+
+
+def test_the_guard_judges_speculation_against_plain_decoding_on_both_cores() -> None:
+    """Speculation at 1.18x one core's plain decoding and 0.71x both cores' (sampled chat at batch 1): once a short
+    hold has measured the lent steps, the guard holds the batch plain on both cores. Speculation at 2.2x one core
+    (greedy) keeps speculating, with a lent measurement now and then."""
+    one_core, _ = _simulate(AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1)), emitted=1.3)
+    lending_planner = AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1), lend_after=4)
+    both, lending = _simulate(lending_planner, emitted=1.3)
+    assert lending_planner.lent_s[1] == pytest.approx(0.6) and lending_planner.plain_time(1) == pytest.approx(1.0)
+    assert lending_planner.lend_probes >= 1 and lending_planner.backoffs >= 2
+    assert lending.lent_steps > 1000 and both > 1.5 > 1.2 > one_core, (lending.lent_steps, both, one_core)
+    greedy = AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1), lend_after=4)
+    rate, lending = _simulate(greedy, emitted=2.4)
+    assert greedy.lend_probes >= 1 and greedy.backoffs == 0 and lending.lent_steps < 20 and rate > 2.0

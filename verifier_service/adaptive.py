@@ -66,6 +66,12 @@ highest estimated acceptance (the ones likeliest to pay; all of them at batch 1)
 at each re-probe round one of ``round(1 / probe_share)`` groups (at most b) of the batch re-probes, so a request
 re-probes every ``probe_every · groups`` rounds. A probe then costs about a quarter of a whole-batch one and still
 asks the question that matters at the margin: whether speculating some requests pays for them.
+Plain decoding on both cores. Where the engine lends the drafter's core to plain steps
+(:mod:`verifier_service.core_lending`; ``lend_after`` is then its streak), those steps' times are measured apart
+(``lent_s``: they stay out of the fit and of the one-core plain time), and the guard's baseline is the faster of
+the two plain decodings: speculation must beat AR on the cores SSD holds. Sampled chat at batch 1 ran 1.18x AR
+while AR on both cores ran 1.65x. A batch size without a lent measurement gets one: a window that pays is followed
+by a short hold (``lend_after`` + 3 plain steps, the last ones lent), and again every ``lend_probe_every`` steps.
 """
 
 from __future__ import annotations
@@ -141,6 +147,13 @@ class AdaptiveK:
     #: Measured plain decode steps: seconds by batch size (exponentially weighted), and measured / fitted.
     plain_s: dict[int, float] = field(default_factory=dict)
     plain_ratio: float = 1.0
+    #: Plain steps on both cores (module docstring): the engine's streak before it lends (None: it does not), their
+    #: measured seconds by batch size, the step of each bucket's last one, and the short holds that measured them.
+    lend_after: int | None = None
+    lent_s: dict[int, float] = field(default_factory=dict)
+    lent_at: dict[int, int] = field(default_factory=dict)
+    lend_probe_every: int = 512
+    lend_probes: int = 0
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -176,6 +189,12 @@ class AdaptiveK:
         fitted = self.cost.time(b)
         return None if fitted is None else fitted * self.plain_ratio
 
+    def baseline(self, b: int) -> float | None:
+        """The guard's plain step of ``b`` requests: on one core (:meth:`plain_time`) or, where measured faster,
+        on both (``lent_s``)."""
+        t, lent = self.plain_time(b), self.lent_s.get(b)
+        return t if lent is None else (lent if t is None else min(t, lent))
+
     def _v(self, b: int):
         t_b = self.cost.time(b)
         if t_b is None:
@@ -189,13 +208,20 @@ class AdaptiveK:
         if fitted:
             self.plain_ratio = 0.5 * self.plain_ratio + 0.5 * seconds / fitted
 
-    def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int, cold_s: float = 0.0) -> None:
+    def observe_step(self, tokens: int, seconds: float, emitted: int, batch: int, cold_s: float = 0.0,
+                     lent: bool = False) -> None:
         """One decode step of ``batch`` requests: ``tokens`` through the forward, ``emitted`` delivered.
 
         ``cold_s``: the part of ``seconds`` spent waiting for drafts that no request could have had ready (an SSD
         re-probe after plain rounds, a drafter still on the prompt). It is left out of the cost fit and of the
         measured plain time, which describe steady speculation and plain decoding; the back-off's goodput keeps
-        the whole step, since it judges what speculating really delivered."""
+        the whole step, since it judges what speculating really delivered. ``lent``: a plain step on both cores,
+        measured apart (module docstring)."""
+        if lent:
+            prev = self.lent_s.get(batch)
+            self.lent_s[batch] = seconds if prev is None else 0.5 * prev + 0.5 * seconds
+            self.lent_at[batch_bucket(batch)] = self.steps
+            return
         fit_s = max(seconds - cold_s, 1e-9)
         self.cost.observe(tokens, fit_s)
         if tokens <= batch:
@@ -204,7 +230,7 @@ class AdaptiveK:
         if tokens <= batch or st.hold_left:  # a plain step, or one held plain (seeded requests keep their K)
             return
         st.window_steps += 1
-        t_b = self.plain_time(batch)
+        t_b = self.baseline(batch)
         warmup, window = self.window(batch)
         if st.window_steps <= warmup or t_b is None or seconds <= 0:
             return
@@ -237,6 +263,10 @@ class AdaptiveK:
             # Each window of steps that paid halves the next hold, down to none: one window's goodput is noisy, so
             # where speculation hovers near break-even a lucky window must not undo what the failed ones measured.
             st.next_hold = st.next_hold // 2 if st.next_hold > self.hold else 0
+            last = self.lent_at.get(batch_bucket(batch))
+            if self.lend_after is not None and (last is None or self.steps - last > self.lend_probe_every):
+                st.hold_left = self.lend_after + 3  # plain, the last steps lent: is AR on both cores faster?
+                self.lend_probes += 1
 
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""

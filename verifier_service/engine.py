@@ -158,6 +158,8 @@ class VerifierEngine:
     def _plan_k(self, seqs: list[Sequence]) -> None:
         if self.adaptive is None:
             return
+        if self.lending is not None:
+            self.adaptive.lend_after = self.lending.after
         plan = self.adaptive.plan({s.request_id: (s.stats.num_accepted, s.stats.num_drafted, s.stats.num_rounds)
                                    for s in seqs})
         for s in seqs:
@@ -285,7 +287,7 @@ class VerifierEngine:
         if self.adaptive is not None and all(w.num_pending <= 1 for w in work):
             self.adaptive.observe_step(sum(len(it.token_ids) for it in items), step_s,
                                        m.tokens_emitted - emitted_before, len(work),
-                                       getattr(self.drafter, "cold_wait_s", 0.0))
+                                       getattr(self.drafter, "cold_wait_s", 0.0), lent=self._lent)
 
     def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor, argmax: list[int],
                moves: tuple[list[int], list[int]], sampled: SampledRows) -> None:
