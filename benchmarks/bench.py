@@ -43,6 +43,8 @@ class BenchSettings:
     seeded: bool = False
     #: How the ssd modes' sampled requests draw (``EngineConfig.sampling``); the other modes use the residual rule.
     sampling: str = "auto"
+    #: The local ssd modes' plain steps borrow the drafter's core (:mod:`verifier_service.core_lending`).
+    lend_cores: bool = True
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -76,7 +78,8 @@ class BenchSettings:
                              saguaro_c=getattr(args, "saguaro_c", 1.0), sweep=sweep, sd_k=getattr(args, "sd_k", None),
                              tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"),
                              adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False),
-                             sampling=getattr(args, "sampling", "auto"))
+                             sampling=getattr(args, "sampling", "auto"),
+                             lend_cores=not getattr(args, "no_lend_cores", False))
 
 
 def _seed(settings: BenchSettings, prompt: int, rep: int) -> int | None:

@@ -109,7 +109,7 @@ class ModeRunner:
                                 saguaro_c=settings.saguaro_c, tree=tree)
             local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
                                        draft_cpu_kernels=draft.cpu_kernels,
-                                       adaptive_k=settings.adaptive_k,
+                                       adaptive_k=settings.adaptive_k, lend_cores=settings.lend_cores,
                                        sampling="coupled" if mode == "ssd-coupled" else settings.sampling)
             self.local_ssds[mode] = LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
         self.local_ssd = self.local_ssds.get("ssd")

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fixed-k", action="store_true",
                    help="the ssd modes speculate K tokens every round (default: adaptive K per step, down to 0, "
                         "from measured costs, as ssd serve does)")
+    b.add_argument("--no-lend-cores", action="store_true",
+                   help="the local ssd modes keep the drafter's core idle when nothing speculates (default: plain "
+                        "steps run on both cores, off the fp32 reference)")
     b.add_argument("--seeded", action="store_true",
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
     b.add_argument("--sampling", choices=SAMPLING_RULES, default="auto",
