@@ -131,8 +131,7 @@ class LocalSSD:
 
             self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
         if cfg.lend_cores:
-            allowed = self._old_affinity if self._old_affinity is not None else set()
-            self.engine.lending = core_lending(cfg.verifier_core, cfg.drafter_core, self.target, allowed)
+            self.engine.lending = core_lending(cfg.verifier_core, self.drafter_info.get("affinity", []), self.target)
         if self.engine.lending is not None:
             with self.engine.lending.lent():
                 self.target.row_padding()  # measured per thread count: now, not in the first lent step

@@ -20,11 +20,14 @@ two threads (tests/test_cpu_kernels.py); bf16's oneDNN matmuls do not, and bf16 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,9 +50,17 @@ class CoreLending:
 
     @contextlib.contextmanager
     def lent(self) -> Iterator[None]:
-        """This thread on both cores, torch on two threads; both put back after."""
+        """This thread on both cores, torch on two threads; both put back after. Where the OS refuses the cores,
+        nothing changes and lending stops (logged once)."""
         affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-        os.sched_setaffinity(0, {self.verifier_core, self.drafter_core})
+        try:
+            os.sched_setaffinity(0, {self.verifier_core, self.drafter_core})
+        except OSError as exc:
+            logger.warning("cannot run on cores %d and %d (%s): plain steps stay on one core", self.verifier_core,
+                           self.drafter_core, exc)
+            self.after = 1 << 62
+            yield
+            return
         torch.set_num_threads(2)
         try:
             yield
@@ -58,14 +69,11 @@ class CoreLending:
             os.sched_setaffinity(0, affinity)
 
 
-def core_lending(verifier_core: int | None, drafter_core: int | None, target, allowed: set[int]
-                 ) -> CoreLending | None:
-    """A :class:`CoreLending` where it applies: a CPU target off the fp32 reference (module docstring), two
-    distinct pinned cores, both in ``allowed`` (the cores this process might use before it pinned itself)."""
+def core_lending(verifier_core: int | None, drafter_affinity: list[int], target) -> CoreLending | None:
+    """A :class:`CoreLending` where it applies: a CPU target off the fp32 reference (module docstring), and a
+    drafter process that runs pinned to one core of its own (``drafter_affinity``, as its ack reported it)."""
     if target.device.type != "cpu" or target.exact or not hasattr(os, "sched_setaffinity"):
         return None
-    if None in (verifier_core, drafter_core):
+    if verifier_core is None or len(drafter_affinity) != 1 or drafter_affinity[0] == verifier_core:
         return None
-    if verifier_core == drafter_core or not {verifier_core, drafter_core} <= allowed:
-        return None
-    return CoreLending(verifier_core, drafter_core)
+    return CoreLending(verifier_core, drafter_affinity[0])
