@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from outbox import Outbox
 from test_adaptive import FixedCost
 from test_adaptive_loop import _ScriptedK
 
@@ -51,21 +52,6 @@ def test_only_a_cpu_runner_off_the_fp32_reference_with_a_drafter_on_its_own_core
 
 
 def test_a_quiet_step_holds_back_a_plain_new_requests_prompt() -> None:
-    class Outbox:
-        alive = True
-
-        def __init__(self) -> None:
-            self.sent = []
-
-        def send(self, msg) -> None:
-            self.sent.append(msg)
-
-        def poll(self, timeout: float = 0.0) -> bool:
-            return False
-
-        def flush(self) -> None:
-            pass
-
     link = Outbox()
     prop = SSDProposer(link, vocab_size=50, backup_policy="fast")
     seq = Sequence("a", [1, 2, 3], SamplingParams(max_new_tokens=8))

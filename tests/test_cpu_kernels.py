@@ -3,9 +3,12 @@ against its torch path (prefill, decode, a tree), and which runners use them (ne
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from work_items import work_item
 
 from spec_core import cpu_kernels
 
@@ -72,7 +75,7 @@ def test_each_kernel_matches_torch(dtype):
 def test_runner_forward_through_the_kernels_matches_its_torch_path(toy_pair):
     """A prefill (torch's path, past MAX_TOKENS_PER_ROW), two decode rows and a tree row through the kernels give
     the torch path's logits (fp32 arithmetic, so within float error) and the same K/V."""
-    from spec_core.packing import WorkItem, pack
+    from spec_core.packing import pack
     from spec_core.runner import ModelRunner
 
     fast = ModelRunner(toy_pair["target"])
@@ -87,15 +90,7 @@ def test_runner_forward_through_the_kernels_matches_its_torch_path(toy_pair):
     def run(items):
         return [r.forward_paged(c, pack(items, c.scratch_slot)) for r, c in zip((fast, ref), caches)]
 
-    def item(start, n, slot0, parents=()):
-        pending = n - len(parents)
-        depth = []
-        for p in parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-        pos = list(range(start, start + pending)) + [start + pending - 1 + dd for dd in depth]
-        return WorkItem(prefix_slots=list(range(slot0, slot0 + start)), token_ids=ids[start:start + n], positions=pos,
-                        write_slots=list(range(slot0 + start, slot0 + start + n)), num_pending=pending,
-                        parents=list(parents), logits_rows=list(range(n)))
+    item = functools.partial(work_item, ids)
 
     a, b = run([item(0, 40, 0), item(0, 36, 64)])
     assert torch.allclose(a, b, atol=1e-4)

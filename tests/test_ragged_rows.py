@@ -8,31 +8,17 @@ import dataclasses
 
 import pytest
 import torch
+from test_row_padding import MEASURED  # 4 rows measured fastest
+from work_items import work_item
 
 from spec_core import cpu_kernels
-from spec_core.packing import WorkItem, pack
-from spec_core.row_padding import RowPadding
+from spec_core.packing import pack
 from spec_core.runner import ModelRunner
-
-#: The row-padding table of tests/test_row_padding.py (ms by rows 1..8): 4 rows fastest.
-MEASURED = RowPadding(tuple(t / 1e3 for t in (20.2, 23.1, 18.7, 17.7, 17.9, 18.1, 21.5, 24.7)))
-
-
-def _item(ids: list[int], start: int, n: int, slot0: int, parents: tuple[int, ...] = ()) -> WorkItem:
-    """Row of ``n`` new tokens after ``start`` committed ones at slots from ``slot0``; ``parents`` makes its last
-    ``len(parents)`` tokens tree nodes."""
-    pending, depth = n - len(parents), []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    pos = list(range(start, start + pending)) + [start + pending - 1 + d for d in depth]
-    return WorkItem(prefix_slots=list(range(slot0, slot0 + start)), token_ids=ids[start:start + n], positions=pos,
-                    write_slots=list(range(slot0 + start, slot0 + start + n)), num_pending=pending,
-                    parents=list(parents), logits_rows=list(range(n)))
 
 
 def test_pack_marks_rows_ragged_where_skipping_the_pads_is_faster():
     ids = list(range(100))
-    one, two, three = (_item(ids, 10, n, 0) for n in (1, 2, 3))
+    one, two, three = (work_item(ids, 10, n, 0) for n in (1, 2, 3))
     assert pack([one, one], 999).lengths is None  # equal rows: nothing to skip
     assert pack([one, three, two], 999).lengths.tolist() == [1, 3, 2]  # no table: always skip
     assert pack([one, two], 999, row_padding=MEASURED).lengths is None  # 4 padded rows measured faster than 3
@@ -58,9 +44,9 @@ def test_a_ragged_batch_gives_the_padded_batchs_floats(toy_pair):
     or K/V (bf16, fp32 through the kernels, and int4 through the one-call decoder)."""
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 1000, (64,), generator=gen).tolist()
-    prefill = [_item(ids, 0, 20, 0), _item(ids, 0, 24, 32), _item(ids, 0, 22, 64), _item(ids, 0, 21, 96)]
-    step = [_item(ids, 20, 1, 0), _item(ids, 24, 4, 32), _item(ids, 22, 1, 64),
-            _item(ids, 21, 6, 96, parents=(-1, -1, 0, 0, 1))]
+    prefill = [work_item(ids, 0, 20, 0), work_item(ids, 0, 24, 32), work_item(ids, 0, 22, 64), work_item(ids, 0, 21, 96)]
+    step = [work_item(ids, 20, 1, 0), work_item(ids, 24, 4, 32), work_item(ids, 22, 1, 64),
+            work_item(ids, 21, 6, 96, parents=(-1, -1, 0, 0, 1))]
     seen = []
     for name, runner in _runners(toy_pair):
         seen.append(name)

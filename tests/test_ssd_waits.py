@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from outbox import Outbox
 
 from spec_core.config import SamplingParams
 from spec_core.sequence import Sequence
@@ -53,17 +54,6 @@ def test_an_empty_backup_round_counts_in_the_fast_backups_tokens_per_round() -> 
     """A speculating round the n-gram backup found nothing for still made a token: it counts in e_fast (the
     backup policy's and the bundle wait's measure of the fast backup) at 1 token, not as no round at all."""
     from verifier_service.ssd_request import SSDRequestState
-
-    class Outbox:
-        """The verifier's end of the link; the drafter is not under test here."""
-
-        alive = True
-
-        def __init__(self) -> None:
-            self.sent = []
-
-        def send(self, msg) -> None:
-            self.sent.append(msg)
 
     prop = SSDProposer(link=Outbox(), vocab_size=50, backup_policy="fast")
     fresh = prop.stats.e_fast()

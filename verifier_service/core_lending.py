@@ -40,11 +40,13 @@ class CoreLending:
     after: int = 4
     streak: int = 0
     lent_steps: int = 0
+    #: The OS refused the two cores once (:meth:`lent`): no step is lent after that.
+    refused: bool = False
 
     def plan(self, plain: bool) -> bool:
         """Count a step (``plain``: every request at K = 0); whether it runs on both cores."""
         self.streak = self.streak + 1 if plain else 0
-        lent = self.streak > self.after
+        lent = self.streak > self.after and not self.refused
         self.lent_steps += int(lent)
         return lent
 
@@ -58,7 +60,7 @@ class CoreLending:
         except OSError as exc:
             logger.warning("cannot run on cores %d and %d (%s): plain steps stay on one core", self.verifier_core,
                            self.drafter_core, exc)
-            self.after = 1 << 62
+            self.refused = True
             yield
             return
         torch.set_num_threads(2)

@@ -122,7 +122,6 @@ class VerifierEngine:
         self.adaptive = None
         #: Optional :class:`verifier_service.core_lending.CoreLending`: plain steps on the drafter's core too.
         self.lending = None
-        self._lent = False
         self.metrics = EngineMetrics()
 
     # ---- request lifecycle ---------------------------------------------------------------------------------
@@ -198,22 +197,23 @@ class VerifierEngine:
         return stochastic_verify_tree_path(probs, tree, seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1, VERIFY),
                                            self.config.sibling_recursion)
 
-    def _propose(self, work: list[ScheduledSeq]) -> dict[str, TokenTree]:
-        """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve."""
+    def _propose(self, work: list[ScheduledSeq]) -> tuple[dict[str, TokenTree], bool]:
+        """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve, and
+        whether the step runs on the drafter's core too (:attr:`lending`)."""
         seqs = [w.seq for w in work if w.speculate]
         if self.drafter is None or not seqs:
-            return {}
+            return {}, False
         self._plan_k(seqs)
         ks = [self._k_for(s) for s in seqs]
-        self._lent = self.lending is not None and self.lending.plan(not any(ks))
+        lent = self.lending is not None and self.lending.plan(not any(ks))
         t_d = time.perf_counter()
-        proposed = self.drafter.propose(seqs, ks, quiet=True) if self._lent else self.drafter.propose(seqs, ks)
+        proposed = self.drafter.propose(seqs, ks, quiet=True) if lent else self.drafter.propose(seqs, ks)
         trees = dict(zip((s.request_id for s in seqs), proposed))
         draft_s = time.perf_counter() - t_d
         self.metrics.draft_s += draft_s
         for seq in seqs:  # a batched proposal's time counts for every request in it
             seq.stats.draft_s += draft_s
-        return trees
+        return trees, lent
 
     def step(self) -> list[Sequence]:
         """Run one step; returns the requests that finished in it.
@@ -227,15 +227,14 @@ class VerifierEngine:
         if not work:
             return []
         c0, emitted_before = crossings().total, self.metrics.tokens_emitted
-        self._lent = False
-        trees = self._propose(work)
+        trees, lent = self._propose(work)
         c_propose = crossings().total - c0
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
-        with self.lending.lent() if self._lent else contextlib.nullcontext(), self.runner.kernel_threads():
+        with self.lending.lent() if lent else contextlib.nullcontext(), self.runner.kernel_threads():
             finished = self._verify_step(work, items, chosen)
-        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before)
+        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before, lent)
         return finished
 
     def _verify_step(self, work: list[ScheduledSeq], items: list[WorkItem], chosen: list[TokenTree | None]
@@ -271,7 +270,8 @@ class VerifierEngine:
         return finished
 
     def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int,
-                 emitted_before: int) -> None:
+                 emitted_before: int, lent: bool = False) -> None:
+        """Metrics for a finished step, and its cost for the planner (``lent``: it ran on both cores)."""
         m = self.metrics
         m.num_steps += 1
         m.batch_sizes.append(len(work))
@@ -287,7 +287,7 @@ class VerifierEngine:
         if self.adaptive is not None and all(w.num_pending <= 1 for w in work):
             self.adaptive.observe_step(sum(len(it.token_ids) for it in items), step_s,
                                        m.tokens_emitted - emitted_before, len(work),
-                                       getattr(self.drafter, "cold_wait_s", 0.0), lent=self._lent)
+                                       getattr(self.drafter, "cold_wait_s", 0.0), lent=lent)
 
     def _apply(self, seq: Sequence, tree: TokenTree, logits: torch.Tensor, argmax: list[int],
                moves: tuple[list[int], list[int]], sampled: SampledRows) -> None:
