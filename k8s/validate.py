@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import lzma
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,8 @@ def load_crd_validators(crd_dir: str | Path | None = None) -> dict[tuple[str, st
 @functools.lru_cache(maxsize=4)
 def _load_crd_validators(crd_dir: str) -> dict[tuple[str, str], Draft202012Validator]:
     validators = {}
-    for path in sorted(Path(crd_dir).glob("*.yaml")):
-        with open(path, encoding="utf-8") as f:
+    for path in sorted([*Path(crd_dir).glob("*.yaml"), *Path(crd_dir).glob("*.yaml.xz")]):
+        with (lzma.open if path.suffix == ".xz" else open)(path, "rt", encoding="utf-8") as f:
             crd = yaml.load(f, Loader=_Loader)
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:

