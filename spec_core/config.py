@@ -63,23 +63,25 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return getattr(torch, WEIGHT_ONLY.get(name, name))
 
 
-def draft_dtype(name: str, kernels: bool = True) -> str:
+def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str:
     """The draft's dtype when a run asks for ``name``: for a weight-only format, ``w8a8`` where the compiled W8A8
-    matmul runs (``kernels``, and an x86 CPU without VNNI: :func:`spec_core.w8a8.row_kernel_available`), else
-    ``auto``; otherwise ``name``.
+    matmul runs (``kernels``, and an x86 CPU without VNNI: :func:`spec_core.w8a8.row_kernel_available`) and the
+    draft at ``path`` (where given) has a tokenizer to calibrate on, else ``auto``; otherwise ``name``.
 
     4-bit codes cost a draft acceptance: int4 on both models accepted 0.11 per token against 0.27 with the draft in
     float. int8 through the compiled kernels does not: smollm2-draft's step took 1.03 ms against 3.44 in fp32 (its
     7.5M weights fit the L3 cache in int8), at the same acceptance (0.52 and 0.51 at K = 1), and SD at K = 1 on an
-    int4 target ran 89.9 against 79.4 tok/s (session 28, AVX2 EPYC). ``auto`` (bf16 on native-bf16 hardware) keeps
-    a draft's batched branch steps flat: 8.5 ms for 12 rows against 12.6 ms in fp32 there.
+    int4 target ran 89.9 against 79.4 tok/s (AVX2 EPYC). ``auto`` (bf16 on native-bf16 hardware) keeps a draft's
+    batched branch steps flat: 8.5 ms for 12 rows against 12.6 ms in fp32 there.
     """
     name = check_dtype(name)  # (``auto`` never resolves to a weight-only format, so no device is needed)
     if name not in WEIGHT_ONLY:
         return name
     from spec_core import w8a8
+    from spec_core.model_paths import has_tokenizer
 
-    return "w8a8" if kernels and w8a8.row_kernel_available() else "auto"
+    calibrates = path is None or has_tokenizer(path)
+    return "w8a8" if kernels and calibrates and w8a8.row_kernel_available() else "auto"
 
 
 def weight_format(name: str, device: str = "cpu") -> str | None:
@@ -301,9 +303,9 @@ class SSDConfig:
     #: better (HumanEval, interleaved: 1.92 against 2.36 tokens per round).
     lookup_bonus: bool = True
     #: ``--tree auto`` sizes the lookup branch by the verifier's measured step time at each size (a staircase),
-    #: where the verifier sends one, instead of by its per-node cost (a line's slope). Off by default: in session
-    #: 24's interleaved A/B it ran 1.035-1.065x chains' tok/s against the slope's 1.006-1.087x, within the noise,
-    #: at fewer tokens per round (1.10-1.15x against 1.13-1.15x) (README, session 24).
+    #: where the verifier sends one, instead of by its per-node cost (a line's slope). Off by default: in an
+    #: interleaved A/B it ran 1.035-1.065x chains' tok/s against the slope's 1.006-1.087x, within the noise,
+    #: at fewer tokens per round (1.10-1.15x against 1.13-1.15x).
     price_by_step: bool = False
     #: The share of the verifier's step that one batch of bundles may take to build. The per-request fan-out
     #: budget shrinks below ``fanout.budget`` where the drafter's fitted build time says the batch would not fit

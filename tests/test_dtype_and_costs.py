@@ -52,7 +52,7 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     for r in (f32, b16, i8, i4):
         assert r["threads"] == 1 and r["device"] == "cpu"
         # the floor streams the weights from memory; a model that fits the last-level cache may beat it (the toy
-        # int4's 12 MB ran 0.89 ms against a 0.99 ms floor on a VM with a 480 MiB L3, session 33)
+        # int4's 12 MB ran 0.89 ms against a 0.99 ms floor on a VM with a 480 MiB L3)
         assert 0 < r["floor_t1_s"] and 0 < r["target_t1_s"] and 0 < r["target_matmul_t1_s"]
         assert set(r["V"]) == {"1", "2"}
         assert r["target_t1_other_core_busy_s"] is None  # --no-busy-core
@@ -182,6 +182,19 @@ def test_weight_only_dtypes_give_the_draft_int8_through_the_kernels_or_float():
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
     assert str(parse_dtype("w8a8")) == "torch.float32" and weight_format("w8a8") == "w8a8"
+
+
+def test_a_draft_with_no_tokenizer_keeps_float_where_w8a8_would_be_chosen(monkeypatch, tiny_models):
+    """On an x86 CPU without VNNI (AVX2-only: forced here), a weight-format run gives the draft w8a8, which calibrates
+    on the draft's own text; a draft folder with no tokenizer keeps its float dtype instead of failing to load."""
+    from spec_core import w8a8
+    from spec_core.config import draft_dtype
+    from spec_core.model_paths import DRAFT_NAME, assets_dir
+
+    monkeypatch.setattr(w8a8, "row_kernel_available", lambda: True)
+    assert draft_dtype("int4", path=str(tiny_models["llama-draft"])) == "auto"
+    assert draft_dtype("int4", path=str(assets_dir() / "models" / DRAFT_NAME)) == "w8a8"
+    assert draft_dtype("int4", kernels=False, path=str(assets_dir() / "models" / DRAFT_NAME)) == "auto"
 
 
 def test_bf16_weights_are_prepacked_and_match_f_linear_bit_for_bit(toy_pair):
