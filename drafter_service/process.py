@@ -275,8 +275,8 @@ class DrafterLoop:
 
 
 def load_draft(config: DrafterProcessConfig) -> ModelRunner:
-    """The drafter process's runner: the draft in ``config.dtype``, weight formats included (before session 32 a
-    ``w8a8`` draft loaded as fp32 here: 3.1 ms a step instead of 0.8, while SD's in-process draft had it)."""
+    """The drafter process's runner: the draft in ``config.dtype``, weight formats included (a ``w8a8`` draft
+    loaded as fp32 costs 3.1 ms a step instead of 0.8, and SD's in-process draft would outrun it)."""
     return load_runner(config.model(), reference=False)
 
 

@@ -210,7 +210,7 @@ class SSDDrafter:
 
         ``send``: called with each bundle once all are built (the link's send, which encodes it). Its time counts
         in the build time that fits the budget to the verifier's step (``fit_fanout``): a bundle is on time only
-        once it is on its way, and a sampled bundle's q rows took a quarter of a build to encode (session 33)."""
+        once it is on its way, and a sampled bundle's q rows take a quarter of a build to encode."""
         glue = [r.seq.num_tokens - glue_start(r) + s.num_nodes for r, s in zip(reqs, specs)]  # glue forward tokens
         budget = self._fitted_budget(sum(glue), sum(r.k for r in reqs))
         fans = [self._fit_fanout(r, s, budget) for r, s in zip(reqs, specs)]

@@ -273,7 +273,7 @@ def message_to_pb(msg: object) -> pb.DrafterMessage:
 class ReceivedBranches(Mapping[tuple[int, int], Speculation]):
     """A received bundle's branches by (slot, bonus), each checked on arrival (a malformed bundle is refused at
     once) and built into its :class:`Speculation`, q rows made dense, on first use. A verifier uses at most one
-    branch of a bundle: building all of a sampled bundle's took about 0.5 ms of its step (session 33)."""
+    branch of a bundle: building all of a sampled bundle's takes about 0.5 ms of its step."""
 
     def __init__(self, branches, vocab_size: int) -> None:
         self._msgs: dict[tuple[int, int], pb.Speculation] = {}

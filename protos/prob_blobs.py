@@ -36,7 +36,7 @@ def sparse_rows(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     """Every non-zero of ``probs [rows, V]`` (probabilities, so >= 0) as (row, column, value), row by row; None if
     there are none. One vectorized pass takes each block of 64 columns' max; only blocks holding a non-zero are
     looked into. (A top-n proposal row has 64 non-zeros in 49152 columns. The full scan of a ``topk`` or a
-    ``nonzero`` took a quarter of a sampled bundle's build, session 33.)"""
+    ``nonzero`` takes a quarter of a sampled bundle's build.)"""
     probs = probs.detach().to("cpu", torch.float32).contiguous()
     rows, vocab = probs.shape
     pad = -vocab % _SCAN_BLOCK

@@ -1,7 +1,7 @@
 """Row-wise argmax and top-k over a vocabulary, fast on a CPU.
 
 On one CPU thread torch's ``argmax`` and ``topk`` over a ``[12, 49152]`` float32 block take 0.86 and 0.74-1.0 ms:
-about a third of a greedy SSD bundle's build, and part of every verify (session 33). numpy's argmax takes
+about a third of a greedy SSD bundle's build, and part of every verify. numpy's argmax takes
 0.05 ms, and a top-k needs to look only into the k blocks of 64 columns with the largest maxima (every one of the
 k largest values lies in such a block), found with one vectorized ``amax``. Both return what torch would: the
 argmax's first maximal index, and the k largest values in descending order (with ties, any of the equal indices:

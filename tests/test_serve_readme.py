@@ -55,7 +55,7 @@ def test_readme_serve_command_serves_within_two_minutes() -> None:
         assert answer.strip()
         if resolve_dtype("auto") == "float32":  # the exactness reference; bf16 is another numeric model, and on an
             assert "Paris" in answer  # AMX Xeon it answers "L'Étoile, la Marseillaise, ..." (so does `ssd generate
-            # --dtype bfloat16` there, before and after session 33's changes)
+            # --dtype bfloat16` there)
         print(f"README serve command: serving after {elapsed:.0f} s")
     finally:
         _stop(proc)

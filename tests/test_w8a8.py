@@ -136,8 +136,8 @@ def test_w8a8_without_a_tokenizer_to_calibrate_on_says_so(toy_pair, tmp_path):
 
 def test_the_drafter_process_and_server_load_the_draft_in_its_weight_format(toy_pair):
     """SSD's drafter process and the gRPC drafter server load the draft as SD's engine does: ``w8a8`` (the draft's
-    format under an int4 target) is a weight format, not fp32 weights computing in fp32 (session 32: the process
-    had run an fp32 draft, 3.1 ms a step against 0.8)."""
+    format under an int4 target) is a weight format, not fp32 weights computing in fp32 (an fp32 draft costs
+    3.1 ms a step against 0.8)."""
     from drafter_service.process import DrafterProcessConfig, load_draft
     from spec_core.config import ModelConfig, SSDConfig
     from spec_core.models import load_runner

@@ -20,7 +20,7 @@ plain one (K = 0 for all): without steps of b tokens the fit only sees b·(K+1)-
 cost from the per-token one, and never learns that speculating (with its waits and bookkeeping) costs more than it
 gains, as it does for sampled requests at batch 16 on a CPU. Such a step costs more than its own plain round: its
 outcome has no pre-drafted bundle, so the round after it misses too. Every 16th step cost batch-1 greedy SSD 1-5%
-(bf16: 2.14x and 2.19x AR against 2.25x and 2.22x at every 48th; w8a8: 1.61x against 1.68x; session 22), and the
+(bf16: 2.14x and 2.19x AR against 2.25x and 2.22x at every 48th; w8a8: 1.61x against 1.68x), and the
 fit, whose memory is about 50 steps (``LinearCost.decay``), still spans K's own step sizes in between.
 
 The guard's plain steps are measured, not fitted: :meth:`AdaptiveK.plain_time` is the measured time of plain
