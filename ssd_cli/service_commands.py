@@ -76,6 +76,8 @@ def _add_serve_engine(s) -> None:
     s.add_argument("--auth-token-env", help="... or from this environment variable")
     s.add_argument("--tls-cert", help="TLS certificate (PEM) for the public API")
     s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
+    s.add_argument("--pair", help="a named model pair for --target and --draft when they are not given: "
+                   "smollm2-135m (the default) or qwen2.5-coder-1.5b (`ssd install-models --pair ...` first)")
     s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4 | w8a8")
@@ -119,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     given = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
     try:
         settings = ServeSettings.load(getattr(args, "config", None), given)
-        cfg = settings.pair()
+        cfg = settings.pair_config()
         cfg.verifier_config()  # validate before starting Ray
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -14,7 +14,8 @@ from cluster.serve_config import ServeSettings
 #: A value for every setting, none of them the default.
 EVERY = {
     "address": "10.0.0.1:6379", "host": "0.0.0.0", "port": 6000, "http-port": 8001, "metrics-port": 9100,
-    "num-cpus": 3, "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16", "device": "cpu",
+    "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16",
+    "device": "cpu",
     "served-model-name": "my-model", "k": 3, "budget": 5, "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
     "backup-policy": "fast", "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
@@ -41,7 +42,7 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
         assert getattr(s, key.replace("-", "_")) == value, key
         if value is not None:
             assert value != ServeSettings.model_fields[key.replace("-", "_")].default, f"{key} is its default"
-    cfg = s.pair()
+    cfg = s.pair_config()
     v = cfg.verifier_config()
     assert (v.port, v.http_port, v.metrics_port, v.served_model_name, v.max_model_len) == (6000, 8001, 9100,
                                                                                            "my-model", 4096)
