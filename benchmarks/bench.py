@@ -45,6 +45,8 @@ class BenchSettings:
     sampling: str = "auto"
     #: The local ssd modes' plain steps borrow the drafter's core (:mod:`verifier_service.core_lending`).
     lend_cores: bool = True
+    #: The sd modes choose K per step from measured costs too (``ssd demo``; the bench's SD runs at fixed K).
+    sd_adaptive: bool = False
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:

@@ -143,7 +143,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     from spec_core.config import ModelConfig, draft_dtype, resolve_dtype
     from spec_core.models import load_runner
 
-    name = resolve_dtype(dtype, device)
+    name = resolve_dtype(dtype, device, target_path, cpu_kernels)
     draft_name = resolve_dtype(draft_dtype(name, cpu_kernels, draft_path), device)  # as every command loads the draft
     on_cpu = torch.device(device).type == "cpu"
     ncpu = os.cpu_count() or 1

@@ -59,7 +59,9 @@ class ModeRunner:
     def __init__(self, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None,
                  pair: LoadedPair | None = None) -> None:
         """``pair``: the models already loaded (``ssd bench --sweep`` loads them once for all its points)."""
-        self.gen = Generator(target, draft, k=settings.k) if pair is None else Generator.from_pair(pair, k=settings.k)
+        adaptive = settings.sd_adaptive
+        self.gen = (Generator(target, draft, k=settings.k, adaptive=adaptive) if pair is None
+                    else Generator.from_pair(pair, k=settings.k, adaptive=adaptive))
         self.all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.threads = settings.target_threads
         self.k = settings.k

@@ -27,16 +27,11 @@ if TYPE_CHECKING:
 
 
 def hardware_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from spec_core.hardware import cpu_class, cpu_name
+
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
+        "cpu_class": cpu_class(),
         "logical_cores": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,

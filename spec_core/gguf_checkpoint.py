@@ -12,6 +12,7 @@ Supported families: Llama (and Mistral, which llama.cpp files as llama), Qwen2, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -178,10 +179,43 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
     save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "gguf_sha256": digest})
     (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "path": str(Path(gguf_path).resolve()),
-                                                     "sha256": digest,
-                                                 "architecture": architecture(reader)}, indent=1) + "\n")
+                                                 "sha256": digest, "architecture": architecture(reader),
+                                                 "matrix_types": matrix_types(reader)}, indent=1) + "\n")
     _next_step(bar, None)
     bar.close()
+
+
+def matrix_types(reader) -> dict[str, int]:
+    """The storage types of the file's layer matrices (the embeddings and the head aside), by element count."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return counts
+
+
+#: The weight format that keeps a GGUF's own layer quantization (4-bit files run as ``int4``).
+_FORMATS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+
+
+@functools.lru_cache(maxsize=64)
+def native_format(path: str) -> str | None:
+    """``int4`` for a 4-bit GGUF file, or the folder converted from one (most of its layer matrices' elements in
+    Q4_0, Q4_1 or Q4_K), else None. Reads the folder's source record, or the file's header where the record
+    predates the types it notes."""
+    p = Path(path)
+    rec = p / SOURCE_RECORD
+    if rec.is_file():
+        record = json.loads(rec.read_text())
+        types = record.get("matrix_types")
+        if types is None:
+            source = Path(record.get("path", ""))
+            types = matrix_types(open_gguf(source)) if source.is_file() else {}
+    elif p.is_file() and p.suffix.lower() == ".gguf":
+        types = matrix_types(open_gguf(p))
+    else:
+        return None
+    return _FORMATS.get(max(types, key=types.get)) if types else None
 
 
 def converted_ok(folder: Path, digest: str) -> bool:

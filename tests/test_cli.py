@@ -213,10 +213,36 @@ def test_generated_batch_ids_never_equal_a_users():
     assert assign_ids([None, "0", None, "line-1"], [1, 2, 4, 5]) == ["line-1-2", "0", "2", "line-1"]
 
 
-def test_demo_runs_every_mode():
-    proc = ssd("demo", "--max-new-tokens", "16", "--dtype", "float32")
+def test_demo_prints_every_row_the_dtype_and_the_identity_line():
+    """The demo (fp32 here: the exact reference, so the identity line must say yes) prints the CPU class and the
+    dtype, AR on one and two cores, SD and SSD with their ratios to AR, the equal-hardware ratio and a verdict."""
+    from spec_core.hardware import cpu_class
+
+    proc = ssd("demo", "--max-new-tokens", "16", "--dtype", "float32", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
-    assert "greedy outputs identical: True" in proc.stdout
-    assert all(tag in proc.stdout for tag in ("AR :", "SD :", "SSD:"))
+    out = proc.stdout
+    assert f"({cpu_class()}, " in out and "dtype float32 (draft " in out
+    lines = out.splitlines()
+    table = lines[[i for i, line in enumerate(lines) if line.startswith("mode ")][0] + 1:][:4]
+    rows = {line.split("  ")[0].strip(): line for line in table}
+    assert set(rows) == {"AR", "AR on two cores", "SD", "SSD"}, out
+    assert rows["AR"].split()[1:4] == ["1", rows["AR"].split()[2], "1.00"]
+    assert "equal hardware: SSD " in out and "greedy outputs identical: yes (AR, AR on two cores, SD, SSD)" in out
+    assert "SSD pays here" in out or "Speculation does not pay for this request in float32" in out
     # SD and SSD plan K as ssd serve does (the service's planner), and say how often they drafted nothing
-    assert sum("(adaptive k <= 3, no draft on " in line for line in proc.stdout.splitlines()) == 2, proc.stdout
+    assert sum("(adaptive k <= 3, no draft on " in line for line in out.splitlines()) == 2, out
+
+
+def test_demo_verdict_says_plainly_when_speculation_loses_on_equal_hardware():
+    from benchmarks.demo import DemoReport, DemoRow, format_demo
+
+    def report(ssd: float) -> str:
+        rows = tuple(DemoRow(m, label, c, tps, (tps,), 1.0, "") for m, label, c, tps in (
+            ("ar", "AR", 1, 100.0), ("ar-2t", "AR on two cores", 2, 150.0), ("sd", "SD", 1, 90.0),
+            ("ssd", "SSD", 2, ssd)))
+        return format_demo(DemoReport("q", "a", "cpu", "int4", "w8a8", 16, 3, rows, identical=True))
+
+    lose, win = report(120.0), report(180.0)
+    assert "equal hardware: SSD 0.80x AR on the same two cores" in lose
+    assert "Speculation does not pay for this request in int4 on this CPU" in lose and "1.25x faster" in lose
+    assert "SSD pays here: 1.20x plain decoding on the same two cores, 1.80x on one." in win

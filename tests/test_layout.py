@@ -135,3 +135,11 @@ def test_the_tracked_tree_travels():
     files = [root / name for name in listed.stdout.split("\0") if name]
     total = sum(f.stat().st_size for f in files if f.is_file())
     assert total <= 40 * 2**20, f"{total / 2**20:.1f} MiB tracked"
+
+
+def test_cpu_classes_are_named_from_the_flags():
+    from spec_core.hardware import cpu_class
+
+    assert cpu_class({"avx2", "fma"}) == "AVX2" and cpu_class({"avx2", "avx512f"}) == "AVX-512"
+    assert cpu_class({"avx2", "avx512f", "avx512_bf16"}) == "AVX-512 BF16"
+    assert cpu_class({"avx2", "avx512f", "avx512_bf16", "amx_tile"}) == "AMX"
