@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from spec_core.model_paths import resolve_model
 from spec_core.training.draft_data import ONE_PROCESS, DataConfig, Shard
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class DraftTrainConfig:
                        gen_batch=48, seed=seed, gen_dtype=gen_dtype or DataConfig.gen_dtype)
         train = replace(TrainConfig(), steps=500, lr=6e-4, min_lr=3e-5, warmup=20, ckpt_every=25)
         return DraftTrainConfig(data=data, shape=shape, train=train, draft_vocab=vocab, seed=seed,
-                                init_from=str(Path(init_from).resolve()))
+                                init_from=str(resolve_model(init_from).resolve()))  # a shipped, packed draft unpacked
 
     @staticmethod
     def smoke() -> DraftTrainConfig:
