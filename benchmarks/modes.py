@@ -98,7 +98,7 @@ class ModeRunner:
         if "ssd-service" in settings.modes:
             from benchmarks.service_mode import ServiceMode
 
-            self.service = ServiceMode(target.path, draft.path, settings.k)
+            self.service = ServiceMode(target.path, draft.path, settings.k, dtype=target.resolved_dtype)
         self.local_ssds: dict[str, object] = {}
         for mode in (m for m in LOCAL_SSD_MODES if m in modes):
             from cluster.local_ssd import LocalSSD, LocalSSDConfig

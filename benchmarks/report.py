@@ -20,7 +20,7 @@ import torch
 from benchmarks.modes import LLAMA_CPP_MODES, TWO_THREAD_MODES, is_ar, runtime_of
 from spec_core.config import ModelConfig
 from spec_core.metrics import DecodeStats
-from verifier_service.api import GenerationResult
+from verifier_service.api import RUNTIME, GenerationResult
 
 if TYPE_CHECKING:
     from benchmarks.bench import BenchSettings
@@ -154,7 +154,25 @@ def build_report(settings: BenchSettings, target: ModelConfig, draft: ModelConfi
                      "cpu_kernels": target.cpu_kernels,
                      "hf_assisted_tuned_num_assistant_tokens": assistant_tokens,
                      "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")},
-        "results": with_paired_ratios(results),
+        "results": [{**r, **what_ran(r["mode"], settings, target, draft)} for r in with_paired_ratios(results)],
+    }
+
+
+def what_ran(mode: str, settings: BenchSettings, target: ModelConfig, draft: ModelConfig | None) -> dict:
+    """What a row ran: the models' dtypes, the cores its processes had, the drafter's link and core lending.
+    llama.cpp runs the GGUF file's own quantization; transformers' baselines run the target as they load it."""
+    from benchmarks.modes import LOCAL_SSD_MODES
+
+    base = TWO_THREAD_MODES.get(mode, mode)
+    ours = runtime_of(mode).startswith(RUNTIME)
+    speculates = base in ("sd", "ssd-service", *LOCAL_SSD_MODES) or mode.startswith("hf-assisted")
+    two = mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 or base in ("ssd-service", *LOCAL_SSD_MODES)
+    return {
+        "dtype": target.resolved_dtype if ours else "gguf" if mode in LLAMA_CPP_MODES else "float32",
+        "draft_dtype": (draft.resolved_dtype if ours else "float32") if speculates and draft is not None else None,
+        "cores": 2 if two else settings.target_threads,
+        "link": {"sd": "in-process", "ssd-service": "gRPC"}.get(base, "pipe" if base in LOCAL_SSD_MODES else None),
+        "lending": settings.lend_cores if base in LOCAL_SSD_MODES else False,
     }
 
 
@@ -215,7 +233,7 @@ def concurrency_row(mode: str, runs: list[dict], temp: float, c: int, reference:
 def print_summary(report: dict) -> None:
     out = sys.stdout
     out.write(f"{'mode':<18}{'conc':>5}{'T':>5}{'tok/s':>10}{'x AR':>7}{'x AR med':>9}{'tok/round':>11}{'accept':>8}"
-              f"{'hit':>6}{'greedy=AR':>11}\n")
+              f"{'hit':>6}{'greedy=AR':>11}  ran\n")
     base = {(r["temperature"], r["concurrency"]): r["tokens_per_s"] for r in report["results"] if r["mode"] == "ar"}
     for r in report["results"]:
         if r.get("skipped"):
@@ -230,5 +248,20 @@ def print_summary(report: dict) -> None:
             f"{(f'{ratio:.2f}' if ratio else '-'):>7}{(f'{paired:.2f}' if paired else '-'):>9}"
             f"{r['mean_tokens_per_round'] or 0:>11.2f}"
             f"{(f'{acc:.2f}' if acc is not None else '-'):>8}{(f'{hit:.2f}' if hit is not None else '-'):>6}"
-            f"{str(r['matches_target_greedy']):>11}\n"
+            f"{str(r['matches_target_greedy']):>11}  {_ran(r)}\n"
         )
+    for r in report["results"]:
+        if r.get("matches_target_greedy") is False:
+            sys.stderr.write(f"bench: WARNING: {r['mode']} (T={r['temperature']}, concurrency {r['concurrency']}, "
+                             f"{_ran(r)}) did not reproduce AR's greedy output: its rate is not AR's model's\n")
+
+
+def _ran(row: dict) -> str:
+    """What a row ran, in a few words: ``int4/w8a8, 2 cores, pipe, lending``."""
+    dtypes = row.get("dtype") or "?"
+    if row.get("draft_dtype"):
+        dtypes += "/" + row["draft_dtype"]
+    parts = [dtypes, f"{row.get('cores')} core" + ("s" if row.get("cores") != 1 else "")]
+    parts += [row["link"]] if row.get("link") else []
+    parts += ["lending"] if row.get("lending") else []
+    return ", ".join(parts)

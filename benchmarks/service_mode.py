@@ -20,13 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 class ServiceMode:
-    def __init__(self, target_path: str, draft_path: str, k: int) -> None:
+    def __init__(self, target_path: str, draft_path: str, k: int, dtype: str = "auto") -> None:
+        """``dtype``: the target's, as every other bench row runs it (the drafter's follows, as ``ssd serve``'s)."""
         import ray
 
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        self.paths, self.k = (target_path, draft_path), k
+        self.paths, self.k, self.dtype = (target_path, draft_path), k, dtype
         self.adaptive: bool | None = None
         self.deployment = self.client = None
         self.configure(adaptive=False)
@@ -41,7 +42,7 @@ class ServiceMode:
         if self.deployment is not None:
             self.client.close()
             self.deployment.shutdown(grace_s=5)
-        self.deployment = launch(PairConfig(*self.paths, k=self.k, port=0, adaptive_k=adaptive))
+        self.deployment = launch(PairConfig(*self.paths, k=self.k, port=0, adaptive_k=adaptive, dtype=self.dtype))
         self.client = SSDClient(self.deployment.address)
         self.adaptive = adaptive
 

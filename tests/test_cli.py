@@ -139,6 +139,11 @@ def test_bench_quick_schema(tmp_path, toy_pair):
         assert row["x_ar_paired_median"] == pytest.approx(statistics.median(ratios))
         if row["mode"] == "ar":
             assert row["x_ar_paired_median"] == 1.0
+        # what each row ran: dtypes, cores, the draft's link
+        ran = {"ar": ("float32", None, 1, None), "sd": ("float32", "bfloat16", 1, "in-process"),
+               "ar-2t": ("float32", None, 2, None)}[row["mode"]]
+        assert (row["dtype"], row["draft_dtype"], row["cores"], row["link"]) == ran and row["lending"] is False
+    assert "float32/bfloat16, 1 core, in-process" in proc.stdout and "WARNING" not in proc.stderr
     assert modes == {(m, c) for m in ("ar", "sd", "ar-2t") for c in (1, 2)}
     assert sorted(p.name for p in plots.iterdir()) == ["acceptance_and_hits.png", "tokens_per_s_T0.png"]
 
