@@ -247,7 +247,9 @@ def test_demo_verdict_says_plainly_when_speculation_loses_on_equal_hardware():
             ("ssd", "SSD", 2, ssd)))
         return format_demo(DemoReport("q", "a", "cpu", "int4", "w8a8", 16, 3, rows, identical=True))
 
-    lose, win = report(120.0), report(180.0)
+    lose, slower, win = report(120.0), report(90.0), report(180.0)
     assert "equal hardware: SSD 0.80x AR on the same two cores" in lose
     assert "Speculation does not pay for this request in int4 on this CPU" in lose and "1.25x faster" in lose
+    assert "comes from its second core" in lose and "second core" not in slower.split("\n")[-2]
+    assert "SSD runs at 0.90x one-core AR and 0.60x AR on the same two cores" in slower
     assert "SSD pays here: 1.20x plain decoding on the same two cores, 1.80x on one." in win
