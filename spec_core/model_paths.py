@@ -111,12 +111,6 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def has_tokenizer(path: str | Path) -> bool:
-    """Whether a model can tokenize text on its own: a GGUF file carries its tokenizer; a folder needs its files."""
-    p = Path(path)
-    return is_gguf(p) or any((p / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-
-
 def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
     """Where a user's GGUF file is converted to: one folder per file content."""
     return cache_dir() / "gguf" / f"{Path(gguf_path).stem}-{digest[:12]}"

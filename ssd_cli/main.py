@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the service's, auto); ssd-chain always drafts chains")
     b.add_argument("--sweep", help="k,budget,c,tree: find the best K (1-8, SD and SSD), budget, Saguaro C and "
                    "SSD candidate tree (ssd-chain beside each tree)")
-    b.add_argument("--draft-dtype", help="the draft's dtype (default: --dtype; under a weight-only --dtype, w8a8 where the "
-                   "compiled kernels run it, else auto); "
+    b.add_argument("--draft-dtype", help="the draft's dtype (default: the target's; under a weight format, int4 "
+                   "where the compiled kernels run it, else auto); "
                    "with --draft set to the target, --draft-dtype int4 measures a large, accurate draft")
     _add_model_flags(b)
 

@@ -27,17 +27,6 @@ from verifier_service.ssd_proposer import SSDProposer
 TWO_CORES = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
 
 
-@pytest.fixture(params=["native", "avx2"])
-def cpu_class(request, monkeypatch) -> str:
-    """This CPU's own code paths, and an AVX2-only CPU's where they differ here: no VNNI, so a weight-format run
-    gives its draft the compiled w8a8 matmul (:func:`spec_core.config.draft_dtype`)."""
-    if request.param == "avx2":
-        from spec_core import w8a8
-
-        monkeypatch.setattr(w8a8, "row_kernel_available", lambda: True)
-    return request.param
-
-
 def test_a_plain_streak_lends_from_its_fifth_step() -> None:
     lend = CoreLending(0, 1)
     assert [lend.plan(p) for p in (True,) * 6 + (False,) + (True,) * 5] == [False] * 4 + [True] * 2 + [False] * 5 + [True]
@@ -87,7 +76,7 @@ def _engine_ar(target: ModelRunner, prompts: list[list[int]], n: int) -> list[li
 
 @pytest.mark.skipif(not TWO_CORES, reason="the verifier and the drafter each pinned to a core of their own")
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
-def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models, cpu_class) -> None:
+def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models) -> None:
     """int4 through the compiled kernels gives the same floats on one thread and two, alone and in a batch: with
     plain stretches that borrow the drafter's core, and a request that arrives during one (its prompt held back
     until it speculates), SSD's greedy output is still the runner's own AR's, token for token."""
@@ -127,7 +116,7 @@ def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models, cpu_c
 
 @pytest.mark.skipif(not TWO_CORES, reason="the verifier and the drafter each pinned to a core of their own")
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
-def test_the_bench_reports_its_lent_steps(tiny_models, cpu_class) -> None:
+def test_the_bench_reports_its_lent_steps(tiny_models) -> None:
     from benchmarks.concurrent import run_concurrent
     from spec_core.models import LoadedPair
 

@@ -31,7 +31,8 @@ def test_generate_defaults_to_auto(real_pair):
     proc = ssd("generate", "--prompt", "def add(a, b):", "--mode", "ar", "--max-new-tokens", "4", "--ignore-eos",
                "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["dtype"] == resolve_dtype("auto")
+    # the default target is a 4-bit GGUF: auto runs its own int4 where the compiled kernels run
+    assert json.loads(proc.stdout)["dtype"] == ModelConfig(real_pair["target"], "auto").resolved_dtype
     bad = ssd("generate", "--prompt", "x", "--dtype", "int3")
     assert bad.returncode == 2 and "unknown dtype" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -172,29 +173,16 @@ def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
             quantize_int4(bad)
 
 
-def test_weight_only_dtypes_give_the_draft_int8_through_the_kernels_or_float():
-    from spec_core import w8a8
+def test_weight_formats_give_the_draft_int4_through_the_kernels_or_float():
+    from spec_core import cpu_kernels
     from spec_core.config import draft_dtype, parse_dtype, weight_format
 
-    weight_draft = "w8a8" if w8a8.row_kernel_available() else "auto"  # int8 through the compiled kernels, else auto
+    weight_draft = "int4" if cpu_kernels.quant_gemm() is not None else "auto"  # the compiled kernels', else auto
     assert draft_dtype("int4") == draft_dtype("int8") == draft_dtype("w8a8") == weight_draft
     assert draft_dtype("int4", kernels=False) == "auto"
     assert draft_dtype("bfloat16") == "bfloat16" and draft_dtype("auto") == "auto"
     assert str(parse_dtype("int4")) == "torch.float32" and weight_format("int4") == "int4"
     assert str(parse_dtype("w8a8")) == "torch.float32" and weight_format("w8a8") == "w8a8"
-
-
-def test_a_draft_with_no_tokenizer_keeps_float_where_w8a8_would_be_chosen(monkeypatch, tiny_models):
-    """On an x86 CPU without VNNI (AVX2-only: forced here), a weight-format run gives the draft w8a8, which calibrates
-    on the draft's own text; a draft folder with no tokenizer keeps its float dtype instead of failing to load."""
-    from spec_core import w8a8
-    from spec_core.config import draft_dtype
-    from spec_core.model_paths import DRAFT_NAME, assets_dir
-
-    monkeypatch.setattr(w8a8, "row_kernel_available", lambda: True)
-    assert draft_dtype("int4", path=str(tiny_models["llama-draft"])) == "auto"
-    assert draft_dtype("int4", path=str(assets_dir() / "models" / DRAFT_NAME)) == "w8a8"
-    assert draft_dtype("int4", kernels=False, path=str(assets_dir() / "models" / DRAFT_NAME)) == "auto"
 
 
 def test_bf16_weights_are_prepacked_and_match_f_linear_bit_for_bit(toy_pair):
