@@ -2,14 +2,17 @@
 
 Each actor runs in its own worker process on its own bundle of a placement group: one GPU each when GPUs exist
 (Ray sets ``CUDA_VISIBLE_DEVICES``, so the model goes to ``cuda:0`` of that process), otherwise one CPU each,
-pinned to its own core when ``core`` is given. Torch threads follow the actor's CPU share. Internal servers bind
-the node IP Ray reports (so the pair may span nodes); the verifier's public server binds the configured host.
+pinned to its own core when ``core`` is given. Torch threads follow the actor's CPU share. The drafter binds the
+host :func:`cluster.launch.drafter_bind_host` chose (``node-ip``: the node IP Ray reports); the verifier's public
+server binds the configured host. Each actor logs at the driver's level (Ray's workers otherwise drop INFO), and the
+verifier's periodic stats line always shows when it is on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import replace
 
 import ray
@@ -19,6 +22,22 @@ from drafter_service.server import DrafterServer, DrafterServerConfig
 from verifier_service.server import VerifierServer, VerifierServerConfig
 
 logger = logging.getLogger(__name__)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: int) -> None:
+    """Log at ``level`` to stderr (Ray forwards it to the driver); Ray's workers start with no handler at WARNING.
+    The stats log line is INFO and asked for by its interval setting, so it shows at any level."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not any(getattr(h, "_ssd", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler._ssd = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    logging.getLogger("verifier_service.stats_log").setLevel(logging.INFO)
 
 
 def _setup_process(core: int | None) -> str:
@@ -52,7 +71,8 @@ class DrafterActor:
     """Serves as soon as it is constructed, so a Ray restart (``max_restarts``) brings the server back by itself;
     the verifier then asks for the new address and reconnects."""
 
-    def __init__(self, config: DrafterServerConfig, core: int | None = None) -> None:
+    def __init__(self, config: DrafterServerConfig, core: int | None = None, log_level: int = logging.WARNING) -> None:
+        setup_logging(log_level)
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         draft = config.draft if config.draft.device != "auto" else replace(config.draft, device=device)
@@ -62,6 +82,12 @@ class DrafterActor:
     def address(self) -> str:
         """The drafter's gRPC address (the server already runs; awaiting this awaits readiness)."""
         return self.server.address
+
+    def check_health(self) -> None:
+        """Health-checked from its own node: a loopback-bound drafter is reachable from nowhere else."""
+        from cluster.launch import check_health
+
+        check_health(self.server.address, "ssd.v1.Drafter", tls=self.server.config.tls)
 
     def pid(self) -> int:
         return os.getpid()
@@ -81,10 +107,12 @@ class VerifierActor:
     address, and serves. Streams in flight when it died end with UNAVAILABLE at the client."""
 
     def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter: str | None = None,
-                 connect_timeout_s: float = 300.0, namespace: str | None = None) -> None:
+                 connect_timeout_s: float = 300.0, namespace: str | None = None,
+                 log_level: int = logging.WARNING) -> None:
         """``drafter``: the drafter actor's name (in ``namespace``), asked for its current address now and whenever
         the link must be re-established (after a drafter restart). A name, not a handle: a restartable actor's
         constructor arguments must stay valid for its whole life."""
+        setup_logging(log_level)
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         target = config.target if config.target.device != "auto" else replace(config.target, device=device)

@@ -1,5 +1,9 @@
 """Place a drafter–verifier pair with Ray and start their gRPC servers (what ``ssd serve`` and the Serve app use).
 
+The drafter's bind host and the link's credentials are decided in one place (:func:`drafter_bind_host`,
+:func:`link_security`): loopback when drafter and verifier share a node; beyond loopback, the link takes the public
+API's TLS certificate and bearer token.
+
 Order: create one placement group with one bundle per actor ({"GPU": f, "CPU": 1} each when the cluster has the
 GPUs, with f = ``gpu_fraction``: 1 for a GPU each, 0.5 for both on one GPU; else {"CPU": 1} each) and wait for it with a timeout (an infeasible group, e.g. STRICT_SPREAD on
 one node, stays PENDING forever); start the drafter (a named actor) and the verifier, which looks the drafter up
@@ -22,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
+from protos.security import TLSFiles, is_loopback
 from spec_core.config import (
     SSD_DEFAULT_TREE,
     CacheConfig,
@@ -40,6 +45,27 @@ logger = logging.getLogger(__name__)
 
 class PlacementError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSecurity:
+    """The drafter link's credentials: the drafter's server TLS and token, and the verifier's client TLS."""
+
+    drafter_tls: TLSFiles | None = None
+    verifier_tls: TLSFiles | None = None
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
+
+
+def link_security(host: str, public: dict) -> LinkSecurity:
+    """None on loopback; beyond it, the public API's settings (``public``: the verifier's ``tls_cert``,
+    ``tls_key``, ``auth_token_file``, ``auth_token_env``). The verifier trusts the public certificate itself, so
+    it must name the drafter's address (self-signed, or with the node IPs among its subject names)."""
+    if is_loopback(host):
+        return LinkSecurity()
+    cert, key = public.get("tls_cert"), public.get("tls_key")
+    tls = (TLSFiles(cert, key), TLSFiles(cert, key, ca=cert)) if cert and key else (None, None)
+    return LinkSecurity(tls[0], tls[1], public.get("auth_token_file"), public.get("auth_token_env"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +102,18 @@ class PairConfig:
     #: Each KV pool's share of its device's free memory (None: fixed CPU sizes; a default share on a GPU).
     kv_memory_fraction: float | None = None
     strategy: str = "PACK"
+    #: Where the drafter listens: "auto" (loopback when it shares a node with the verifier, else the node IP),
+    #: "node-ip", or an address (:func:`drafter_bind_host`).
+    drafter_host: str = "auto"
+    #: The actors' log level (the driver's: ``ssd -v serve`` logs INFO in them too).
+    log_level: int = logging.WARNING
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
     placement_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
     extra_verifier: dict = field(default_factory=dict)
 
-    def verifier_config(self) -> VerifierServerConfig:
+    def verifier_config(self, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
+        """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
         spec = SpeculationConfig(mode="ssd", k=self.k, budget=self.budget, saguaro_c=self.saguaro_c,
                                  adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
                                  tree=TreeShape.parse(self.tree), sampling=self.sampling)
@@ -93,14 +125,18 @@ class PairConfig:
                                     metrics_port=self.metrics_port, http_port=self.http_port,
                                     served_model_name=self.served_model_name, max_model_len=self.max_model_len,
                                     stats_log_interval_s=self.stats_log_interval_s,
+                                    internal_tls=link_security(drafter_host, self.extra_verifier).verifier_tls,
                                     **self.extra_verifier)
 
-    def drafter_config(self) -> DrafterServerConfig:
+    def drafter_config(self, host: str = "127.0.0.1") -> DrafterServerConfig:
+        """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials."""
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
                         tree=TreeShape.parse(self.tree))
         draft = ModelConfig(self.draft_path, draft_dtype(self.dtype), self.device)
-        return DrafterServerConfig(draft, ssd, host="node-ip",
-                                   kv_memory_fraction=self.kv_memory_fraction)
+        sec = link_security(host, self.extra_verifier)
+        return DrafterServerConfig(draft, ssd, host=host, kv_memory_fraction=self.kv_memory_fraction,
+                                   tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,
+                                   auth_token_env=sec.auth_token_env)
 
 
 @dataclass(slots=True)
@@ -151,8 +187,19 @@ def bundles_for(use_gpu: bool, gpu_fraction: float = 1.0) -> list[dict[str, floa
     return [dict(one), dict(one)]
 
 
-def check_health(address: str, service: str, timeout_s: float = 10.0) -> None:
-    with grpc.insecure_channel(address) as ch:
+def drafter_bind_host(setting: str, pg, first: int) -> str:
+    """Where the drafter listens. "auto": loopback when its bundle (``first``) and the verifier's (``first + 1``)
+    are on one node, so nothing off the node reaches it; else the node's IP ("node-ip")."""
+    if setting != "auto":
+        return setting
+    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    return "127.0.0.1" if nodes[first] == nodes[first + 1] else "node-ip"
+
+
+def check_health(address: str, service: str, timeout_s: float = 10.0, tls: TLSFiles | None = None) -> None:
+    """``tls``: the server's own certificate, trusted as the root (the drafter's link credentials)."""
+    creds = grpc.ssl_channel_credentials(root_certificates=open(tls.cert, "rb").read()) if tls else None
+    with (grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                     timeout=timeout_s)
     if resp.status != health_pb2.HealthCheckResponse.SERVING:
@@ -178,21 +225,22 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     pin = cfg.pin_cores and not use_gpu
     # The drafter is restarted by Ray if it dies (the verifier serves from its backup meanwhile, then reconnects).
     name, namespace = f"ssd-drafter-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace
+    host = drafter_bind_host(cfg.drafter_host, pg, first)
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
         num_cpus=cpus[0], num_gpus=gpus[0], max_restarts=-1, name=name, namespace=namespace,
-    ).remote(cfg.drafter_config(), 1 if pin else None)
+    ).remote(cfg.drafter_config(host), 1 if pin else None, log_level=cfg.log_level)
     # The verifier too: it comes back on the same public port (clients see UNAVAILABLE meanwhile and retry).
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
         num_cpus=cpus[1], num_gpus=gpus[1], max_restarts=-1,
-    ).remote(cfg.verifier_config(), 0 if pin else None, name, connect_timeout_s=cfg.start_timeout_s,
-              namespace=namespace)
+    ).remote(cfg.verifier_config(host), 0 if pin else None, name, connect_timeout_s=cfg.start_timeout_s,
+              namespace=namespace, log_level=cfg.log_level)
     if not own:
         pg = None  # not ours to remove
     try:
         d_addr = ray.get(drafter.address.remote(), timeout=cfg.start_timeout_s)
-        check_health(d_addr, "ssd.v1.Drafter")
+        ray.get(drafter.check_health.remote(), timeout=30)
         address = ray.get(verifier.address.remote(), timeout=cfg.start_timeout_s)
         check_health(address, "ssd.v1.Generation")
     except BaseException:

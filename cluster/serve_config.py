@@ -34,6 +34,8 @@ class ServeSettings(BaseModel):
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    drafter_host: str = "auto"
     # speculation
     k: int = Field(2, ge=1)
     budget: int | None = Field(None, ge=1)
@@ -107,7 +109,9 @@ class ServeSettings(BaseModel):
             sampling=self.sampling,
             http_port=self.http_port, served_model_name=self.served_model_name, max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens, stats_log_interval_s=self.stats_log_interval,
-            extra_verifier={"auth_token_file": absolute(self.auth_token_file), "auth_token_env": self.auth_token_env,
+            drafter_host=self.drafter_host,
+            extra_verifier={"max_body_bytes": self.max_body_bytes, "auth_token_file": absolute(self.auth_token_file),
+                            "auth_token_env": self.auth_token_env,
                             "tls_cert": absolute(self.tls_cert), "tls_key": absolute(self.tls_key)})
 
 

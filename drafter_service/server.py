@@ -47,6 +47,10 @@ class DrafterServerConfig:
     inject_delay_s: float = 0.0
     #: Mutual TLS: our certificate and key, and the CA that signed the verifier's (protos.security.TLSFiles).
     tls: object | None = None
+    #: A bearer token every call but health checks must carry, read from this file or environment variable
+    #: (the public API's, when the drafter listens beyond loopback: :func:`cluster.launch.link_security`).
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
 
 
 class QueueLink:
@@ -192,9 +196,15 @@ class DrafterServer:
             hs = add_health_and_reflection(server, [SERVICE])
             await set_health(hs, [SERVICE], serving=True)
 
-        creds = self.config.tls.server_credentials() if self.config.tls is not None else None
-        self.thread = ServerThread(f"{self.config.host}:{self.config.port}", setup, name="drafter-grpc",
-                                   credentials=creds)
+        from protos.security import BearerTokenInterceptor, is_loopback, read_secret
+
+        c = self.config
+        token = read_secret(c.auth_token_file, c.auth_token_env)
+        creds = c.tls.server_credentials() if c.tls is not None else None
+        if not is_loopback(c.host) and creds is None and token is None:
+            logger.warning("the drafter link on %s has neither TLS nor a token", c.host)
+        self.thread = ServerThread(f"{c.host}:{c.port}", setup, name="drafter-grpc", credentials=creds,
+                                   interceptors=[BearerTokenInterceptor(token)] if token else [])
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
         logger.info("drafter serving %s on %s", SERVICE, self.address)

@@ -11,6 +11,7 @@ Secrets are read from files (or an environment variable naming the token) and ne
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,22 @@ from pathlib import Path
 import grpc
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind host is reachable only from its own machine ("localhost" or a loopback address)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token`` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def read_secret(path: str | None = None, env: str | None = None) -> str | None:

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 from spec_core.config import SSD_DEFAULT_TREE
 from ssd_cli.main import CliError, print_json
@@ -35,6 +36,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port (same host as the gRPC API; 0 = any free port)")
     s.add_argument("--served-model-name", help="the `model` name HTTP clients use (default: the target's name)")
+    s.add_argument("--max-body-bytes", type=int, help="the largest HTTP request body; a larger one gets 413 before "
+                   "it is read (default 4194304)")
+    s.add_argument("--drafter-host", help="where the drafter listens: auto (the default: 127.0.0.1 when it shares "
+                   "the verifier's node, else the node IP, then with the public API's TLS and token), node-ip, or "
+                   "an address")
     _add_serve_engine(s)
 
 
@@ -122,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = ServeSettings.load(getattr(args, "config", None), given)
         cfg = settings.pair_config()
+        cfg = replace(cfg, log_level=logging.getLogger().getEffectiveLevel())  # the actors log as we do
         cfg.verifier_config()  # validate before starting Ray
     except ValueError as exc:
         raise CliError(str(exc)) from None

@@ -20,6 +20,7 @@ import time
 import grpc
 
 from protos import codec
+from protos.security import bearer_metadata
 from protos.serving import PeekQueue, channel_options
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
@@ -40,9 +41,10 @@ class GrpcDrafterLink:
     """The verifier's end of a drafter ``Connect`` stream (a :class:`spec_core.speculation.DrafterLink`)."""
 
     def __init__(self, address: str, hello: pb.Hello, vocab_size: int, connect_timeout_s: float = 60.0,
-                 session_timeout_s: float = 7 * 24 * 3600.0, tls=None) -> None:
+                 session_timeout_s: float = 7 * 24 * 3600.0, tls=None, token: str | None = None) -> None:
         """Connect, send ``hello`` and wait for the drafter's ack (raises :class:`HandshakeError`).
-        ``tls``: :class:`protos.security.TLSFiles` for mutual TLS (None: plaintext)."""
+        ``tls``: :class:`protos.security.TLSFiles` for mutual TLS (None: plaintext); ``token``: the bearer token
+        the drafter requires (None: none)."""
         self.address = address
         self.vocab_size = vocab_size
         self.bytes_sent = 0
@@ -64,7 +66,7 @@ class GrpcDrafterLink:
         stub = ssd_pb2_grpc.DrafterStub(self.channel)
         self._out.put(pb.DrafterEvent(hello=hello))
         # A long-lived stream: its deadline is the session limit; keepalive pings detect a dead peer sooner.
-        self._call = stub.Connect(self._requests(), timeout=session_timeout_s)
+        self._call = stub.Connect(self._requests(), timeout=session_timeout_s, metadata=bearer_metadata(token))
         self._reader = threading.Thread(target=self._read, name="drafter-link-reader", daemon=True)
         self._reader.start()
         if not self._acked.wait(connect_timeout_s) or self.ack is None:

@@ -5,20 +5,29 @@ One engine: every HTTP request becomes gRPC calls on the same ``Generation`` ser
 calls), so validation, limits, authentication (the ``Authorization`` header travels as gRPC metadata) and stats are
 the gRPC server's own. The Ray Serve app mounts the same :class:`OpenAIHandlers` over its replica's channel.
 
-Errors come back in OpenAI's shape with a 4xx/5xx status: bad JSON and wrong types 400, an unknown model 404,
-the server's own refusals mapped from their gRPC status (:func:`openai_protocol.http_status`). A streamed request
-is answered with an error status when its first message fails; an error after the first token ends the stream
-with an ``error`` event, then ``[DONE]``.
+The front door (:class:`FrontDoor`, before routing): with a token, every path but ``/health`` answers 401 unless
+the bearer token matches; a body declared larger than ``max_body_bytes`` answers 413 unread, and one that grows
+past it while read (chunked) answers 413 as soon as it does. JSON nested too deeply is a 400, not a crash.
+
+A client that hangs up has its gRPC calls cancelled, streaming or not: the verifier frees the request's KV and tells
+the drafter to free its own.
+
+Errors come back in OpenAI's shape with a 4xx/5xx status, unknown paths and methods included: bad JSON and wrong
+types 400, an unknown model 404, the server's own refusals mapped from their gRPC status
+(:func:`openai_protocol.http_status`). A streamed request is answered with an error status when its first message
+fails; an error after the first token ends the stream with an ``error`` event, then ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from pydantic import ValidationError
@@ -32,6 +41,20 @@ logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 3600.0
 DONE = "data: [DONE]\n\n"
+#: The default request-body limit: far above any prompt that fits a context, far below what hurts the server.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Paths that answer without a token (load balancers' probes).
+OPEN_PATHS = ("/health",)
+#: gRPC metadata: the caller's default ``max_new_tokens`` for a request that sets none (capped to its context).
+DEFAULT_MAX_NEW_TOKENS_KEY = "ssd-default-max-new-tokens"
+#: Internal request fields named in the server's messages, as the HTTP API names them.
+_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up before its answer was ready."""
 
 
 def _sse(obj: dict) -> str:
@@ -45,16 +68,101 @@ def _error(exc: oa.OpenAIError) -> JSONResponse:
 def _rpc_error(exc: grpc.aio.AioRpcError) -> oa.OpenAIError:
     status = oa.http_status(exc.code())
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return oa.OpenAIError(status, exc.details() or exc.code().name, kind=kind, code=exc.code().name.lower())
+    message, param = exc.details() or exc.code().name, None
+    for internal, public in _PARAM_NAMES.items():
+        if internal in message:
+            message, param = message.replace(internal, public), public
+    return oa.OpenAIError(status, message, kind=kind, param=param, code=exc.code().name.lower())
+
+
+def too_large(limit: int) -> oa.OpenAIError:
+    return oa.OpenAIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                          code="request_too_large")
+
+
+def loads(raw: bytes) -> object:
+    """JSON from a request body; a 400 for anything that is not JSON, nesting deeper than the parser's recursion
+    bound included."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise oa.OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise oa.OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, read in chunks and refused (413) as soon as it passes ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up. Only once the body is read: the next ASGI message is then the
+    disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or :class:`ClientGone` once the client hangs up first; ``work`` is then cancelled (and
+    with it its gRPC calls, which frees the request on the verifier and the drafter)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # its calls are cancelled before we go on
+    raise ClientGone()
+
+
+async def _complete_all(calls: list) -> list:
+    """The results of unary calls; on the first failure, or when cancelled, none of them keeps generating."""
+    try:
+        return list(await asyncio.gather(*calls))
+    finally:
+        for c in calls:
+            c.cancel()
+
+
+async def _first_messages(calls: list) -> list:
+    """Each stream's first message (the server validates before it); on a failure, or when cancelled, every
+    stream is cancelled."""
+    try:
+        return [await c.read() for c in calls]
+    except BaseException:
+        for c in calls:
+            c.cancel()
+        raise
 
 
 class OpenAIHandlers:
     """The endpoints, over a ``Generation`` stub. ``stub()`` returns a ``grpc.aio`` stub bound to the running loop;
-    ``metrics()`` returns the Prometheus exposition (None: no ``/metrics``)."""
+    ``metrics()`` returns the Prometheus exposition (None: no ``/metrics``). ``token``: the bearer token the front
+    door requires (None: no authentication here; the gRPC server still checks what it is given)."""
 
     def __init__(self, stub: Callable[[], object], model_names: list[str], health: Callable[[], object] | None = None,
-                 metrics: Callable[[], bytes] | None = None) -> None:
+                 metrics: Callable[[], bytes] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 token: str | None = None) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.stub, self.model_names, self.health_stub, self.metrics_text = stub, list(model_names), health, metrics
+        self.max_body_bytes, self.token = max_body_bytes, token
 
     # ---- endpoints -------------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -96,41 +204,35 @@ class OpenAIHandlers:
         except ValueError as exc:  # a protobuf field out of range
             return _error(oa.OpenAIError(400, str(exc)))
         metadata = _forwarded(request)
+        if not chat and req.max_tokens is None:
+            metadata += ((DEFAULT_MAX_NEW_TOKENS_KEY, str(oa.COMPLETION_MAX_TOKENS)),)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
-        if not req.stream:
-            try:
-                results = await asyncio.gather(*(self.stub().Complete(r, metadata=metadata, timeout=CALL_TIMEOUT_S)
-                                                 for r in reqs))
-            except grpc.aio.AioRpcError as exc:
-                return _error(_rpc_error(exc))
-            return JSONResponse((oa.chat_completion if chat else oa.completion)(cid, req.model, list(results)))
-        calls = [self.stub().Generate(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
         try:
-            firsts = [await c.read() for c in calls]  # the server validates before the first message
+            if not req.stream:
+                calls = [self.stub().Complete(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
+                results = await unless_disconnected(request, _complete_all(calls))
+                return JSONResponse((oa.chat_completion if chat else oa.completion)(cid, req.model, results))
+            calls = [self.stub().Generate(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
+            firsts = await unless_disconnected(request, _first_messages(calls))
         except grpc.aio.AioRpcError as exc:
-            for c in calls:
-                c.cancel()
             return _error(_rpc_error(exc))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         usage = bool(req.stream_options and req.stream_options.include_usage)
         stream = _Stream(cid, req.model, chat, usage, calls, firsts)
         return StreamingResponse(stream.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def _parse(self, request: Request, model_cls):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise oa.OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+        body = loads(await read_body(request, self.max_body_bytes))
         if not isinstance(body, dict):
             raise oa.OpenAIError(400, "the request body must be a JSON object")
         try:
             req = model_cls.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(x) for x in first.get("loc", ()))
-            raise oa.OpenAIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
-                                 param=param or None) from None
+            raise _validation_error(exc) from None
+        except RecursionError:
+            raise oa.OpenAIError(400, "the request is nested too deeply") from None
         if req.model is None:
             req.model = self.model_names[0]
         if req.model not in self.model_names:
@@ -141,6 +243,15 @@ class OpenAIHandlers:
             logger.info("ignored request fields: %s", ", ".join(extra))
         req.check()
         return req
+
+
+def _validation_error(exc: ValidationError) -> oa.OpenAIError:
+    """A 400 naming the top-level field (``param``) and the most specific complaint: of a union's alternatives, a
+    violated bound says more than "should be a valid string"."""
+    errors = sorted(exc.errors(), key=lambda e: (e.get("type", "").endswith("_type"), -len(e.get("loc", ()))))
+    best = errors[0]
+    param = str(best["loc"][0]) if best.get("loc") else None
+    return oa.OpenAIError(400, f"{param}: {best.get('msg')}" if param else str(best.get("msg")), param=param)
 
 
 def _forwarded(request: Request) -> tuple[tuple[str, str], ...]:
@@ -225,9 +336,55 @@ class _Stream:
                 c.cancel()
 
 
+class FrontDoor:
+    """ASGI middleware before routing: authentication first (every path but :data:`OPEN_PATHS` answers 401
+    without the bearer token, unknown paths included), then a declared ``Content-Length`` over the limit answers 413
+    without a byte of the body read."""
+
+    def __init__(self, app, token: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    def _authorized(self, scope: dict) -> bool:
+        if self._expected is None or scope.get("path") in OPEN_PATHS:
+            return True
+        got = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self._expected)
+
+    def _refusal(self, scope: dict) -> oa.OpenAIError | None:
+        if not self._authorized(scope):
+            return oa.OpenAIError(401, "missing or invalid bearer token", code="invalid_api_key")
+        declared = next((v for k, v in scope.get("headers") or () if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return too_large(self.max_body_bytes)
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
+        await JSONResponse(refusal.body(), status_code=refusal.status, headers=headers)(scope, receive, send)
+
+
+async def _http_error(request: Request, exc) -> Response:
+    """Starlette's own refusals (an unknown path 404, a wrong method 405) in OpenAI's shape."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = oa.OpenAIError(exc.status_code, str(exc.detail), kind=kind).body()
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s: %r", request.url.path, exc)
+    return _error(oa.OpenAIError(500, "internal server error", kind="server_error"))
+
+
 def create_app(handlers: OpenAIHandlers):
-    """A FastAPI app with the OpenAI routes, ``/health`` and ``/metrics``."""
+    """A FastAPI app with the OpenAI routes, ``/health`` and ``/metrics``, behind the :class:`FrontDoor`; every
+    error in OpenAI's shape."""
     from fastapi import FastAPI
+    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="ssd-serve", description="OpenAI-compatible API over speculative speculative decoding")
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
@@ -235,6 +392,9 @@ def create_app(handlers: OpenAIHandlers):
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(FrontDoor, token=handlers.token, max_body_bytes=handlers.max_body_bytes)
     return app
 
 

@@ -1,10 +1,12 @@
 """OpenAI's request and response shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``), as pydantic
 models and pure conversions to and from the ``ssd.v1`` protobuf messages.
 
-Requests tolerate unknown fields, as vLLM does (they are logged and ignored). Fields that would change the
-target's distribution (penalties, ``logit_bias``) or that we cannot honour (``echo``, ``best_of`` > 1, tools) are
-refused with a 400 rather than silently ignored. Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, and
-``max_tokens`` 16 for completions; chat leaves ``max_tokens`` to the server (128, within the context).
+Requests tolerate unknown fields, as vLLM does (they are logged and ignored), but the known ones are strictly typed
+(``"max_tokens": true``, ``"stream": "yes"`` and ``"n": "2"`` are 400s). Fields that would change the target's
+distribution (penalties, ``logit_bias``) or that we cannot honour (``echo``, ``best_of`` > 1, tools, a
+``response_format`` other than text) are refused with a 400 rather than silently ignored. Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, and
+``max_tokens`` 16 for completions (:data:`COMPLETION_MAX_TOKENS`); chat leaves ``max_tokens`` to the server (128).
+An unset ``max_tokens`` is capped by the server to what fits the context, as vLLM does.
 Log-probabilities are the target's raw ones (before temperature and top-p), with token strings.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,6 +24,14 @@ from spec_core.config import MAX_TOP_LOGPROBS
 
 #: The most choices one request may ask for (each is its own generation).
 MAX_N = 16
+#: The largest ``max_tokens`` the wire format carries (``int32``); the context limit is checked by the server.
+MAX_TOKENS_LIMIT = 2 ** 31 - 1
+#: ``max_tokens`` of a completion that gives none (OpenAI's default), sent as the server's default.
+COMPLETION_MAX_TOKENS = 16
+#: Strict types on every request model: no bool-as-int, no string-as-number, no string-as-bool.
+_STRICT = ConfigDict(extra="allow", strict=True)
+#: A token id as the wire carries it.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
 
 
 class OpenAIError(Exception):
@@ -37,21 +47,21 @@ class OpenAIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """The sampling fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     model: str | None = None  # None: the served model (as vLLM allows)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; -1 and 0 mean off
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOKENS_LIMIT)  # vLLM's extension; -1 and 0 mean off
     seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -59,6 +69,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -69,19 +80,22 @@ class _Common(BaseModel):
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported (it would change the target's distribution)",
                               param="logit_bias")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise OpenAIError(400, "response_format is not supported (only {\"type\": \"text\"})",
+                              param="response_format")
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
 
@@ -95,8 +109,8 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
@@ -110,8 +124,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[TokenId]
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from protos import codec
+from protos.security import read_secret
 from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core import chat
@@ -28,6 +29,18 @@ from verifier_service.servicer import SERVICE, GenerationServicer, add_generatio
 from verifier_service.stats_log import counter_totals
 
 logger = logging.getLogger(__name__)
+
+#: Text may shrink this much under a tokenizer's normalisation (e.g. composed Hangul: 3 characters to 1) before
+#: the length bound of :meth:`VerifierServer.surely_too_long` would be wrong.
+NORMALISATION_SLACK = 4
+
+
+def longest_token(tokenizer) -> int | None:
+    """The most characters one token's string spans (None: unknown)."""
+    try:
+        return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
+    except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no bound, just slower refusals
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +78,8 @@ class VerifierServerConfig:
     #: OpenAI-compatible HTTP (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
     #: ``/metrics``) on this port, next to gRPC, over the same engine (None: off; 0: any free port).
     http_port: int | None = None
+    #: The largest HTTP request body accepted (413 beyond it, refused before it is read or parsed).
+    max_body_bytes: int = 4 * 1024 * 1024
     #: The name clients give as ``model`` over HTTP, and the metrics' ``model_name`` (None: the target's name).
     served_model_name: str | None = None
     #: A one-line stats log (throughput, acceptance, cache hits, KV usage, running/waiting) every this many seconds
@@ -80,6 +95,8 @@ class VerifierServerConfig:
             raise ValueError("mode sd needs a draft model")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.http_port is not None and self.tls_cert:
             raise ValueError("the HTTP port does not serve TLS yet: terminate TLS in front of it, or use gRPC")
 
@@ -91,6 +108,7 @@ class VerifierServer:
         self.config = config
         self.pair = load_pair(config.target, config.draft if config.spec.mode == "sd" else None)
         self.vocab_hash = vocab_hash(self.pair.tokenizer)
+        self.max_token_chars = longest_token(self.pair.tokenizer)
         self.link = None
         self.engine_loop: EngineLoop | None = None
         self.thread: ServerThread | None = None
@@ -104,10 +122,22 @@ class VerifierServer:
         self.reconnects = 0
         self.link_bytes_base = (0, 0)
         self._pieces: dict[int, str] = {}
+        #: The public API's bearer token, also carried to the drafter (never logged).
+        self._token = read_secret(config.auth_token_file, config.auth_token_env)
 
     # ---- requests --------------------------------------------------------------------------------------------
+    def surely_too_long(self, prompt: Prompt) -> bool:
+        """Whether a text prompt cannot fit the context whatever it encodes to: no token spans more than
+        ``max_token_chars`` characters, so such a prompt is refused without the time and memory of encoding it."""
+        if self.max_token_chars is None or isinstance(prompt, list):
+            return False
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(c) for _, c in prompt.messages)
+        return chars > NORMALISATION_SLACK * self.max_token_chars * self.context_limit
+
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a prompt, validated against the vocabulary and the context limit (ValueError)."""
+        if self.surely_too_long(prompt):
+            raise ValueError(f"prompt is longer than the context limit of {self.context_limit} tokens")
         ids = chat.encode(self.pair.tokenizer, prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -159,7 +189,7 @@ class VerifierServer:
             if not drafter_address:
                 raise ValueError("mode ssd needs a drafter address")
             self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size,
-                                        tls=c.internal_tls)
+                                        tls=c.internal_tls, token=self._token)
             proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=sp.backup,
                                    wait_fraction=sp.wait_fraction, backup_policy=sp.backup_policy,
                                    device=self.pair.target.device)
@@ -208,10 +238,9 @@ class VerifierServer:
             self.health = add_health_and_reflection(server, [SERVICE])
             await set_health(self.health, [SERVICE], serving=True)
 
-        from protos.security import BearerTokenInterceptor, TLSFiles, read_secret
+        from protos.security import BearerTokenInterceptor, TLSFiles
 
-        c = self.config
-        token = read_secret(c.auth_token_file, c.auth_token_env)
+        c, token = self.config, self._token
         interceptors = [BearerTokenInterceptor(token)] if token else []
         creds = TLSFiles(c.tls_cert, c.tls_key).server_credentials() if c.tls_cert and c.tls_key else None
         self.thread = ServerThread(f"{c.host}:{c.port}", setup, name="verifier-grpc", interceptors=interceptors,
@@ -219,22 +248,24 @@ class VerifierServer:
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
         if c.http_port is not None:
-            self._start_http(port)
+            self._start_http(port, token)
         if self.link is not None:
             resolver = drafter_resolver or (lambda: drafter_address)
             threading.Thread(target=self._watch_drafter, args=(resolver,), name="drafter-watch", daemon=True).start()
         logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.spec.mode)
         return self.address
 
-    def _start_http(self, grpc_port: int) -> None:
-        """The OpenAI-compatible HTTP server: its handlers call this server's own gRPC API over loopback."""
+    def _start_http(self, grpc_port: int, token: str | None) -> None:
+        """The OpenAI-compatible HTTP server: its handlers call this server's own gRPC API over loopback; its front
+        door checks the same bearer token as the gRPC server, before anything else."""
         from protos.serving import channel_options
         from verifier_service.openai_http import HttpServerThread, LoopbackStubs, OpenAIHandlers, create_app
 
         c = self.config
         host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "[::]", "") else c.host
         stubs = LoopbackStubs(f"{host}:{grpc_port}", channel_options())
-        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, self.metrics.exposition)
+        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, self.metrics.exposition,
+                                  max_body_bytes=c.max_body_bytes, token=token)
         self.http = HttpServerThread(create_app(handlers), c.host, c.http_port)
         self.http_address = f"{c.host}:{self.http.start()}"
         logger.info("OpenAI-compatible HTTP on http://%s (model %s)", self.http_address, self.model_name)
@@ -256,7 +287,7 @@ class VerifierServer:
                 continue
             try:
                 new = GrpcDrafterLink(resolver(), self.hello(), self.pair.target.vocab_size, connect_timeout_s=5.0,
-                                      tls=self.config.internal_tls)
+                                      tls=self.config.internal_tls, token=self._token)
             except Exception as exc:  # noqa: BLE001 - keep trying; the backup serves meanwhile
                 logger.info("drafter not back yet: %s", exc)
                 continue
@@ -268,11 +299,15 @@ class VerifierServer:
             logger.warning("reconnected to the drafter at %s", new.address)
 
     def drain(self, grace_s: float | None = None) -> bool:
-        """Health NOT_SERVING, refuse new requests (UNAVAILABLE), finish in-flight ones, then stop the server."""
+        """Health NOT_SERVING, refuse new requests (UNAVAILABLE), finish in-flight ones, then stop the server.
+        Requests still running when the grace runs out end with UNAVAILABLE (HTTP 503), so every handler has
+        answered before the servers stop."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         if self.thread is not None and self.health is not None:
             self.thread.call(lambda: set_health(self.health, [SERVICE], serving=False))
         done = self.engine_loop.drain(grace) if self.engine_loop is not None else True
+        if not done:
+            self.engine_loop.shed("the server is shutting down; retry on another replica")
         self.stop(grace_s=1.0)
         return done
 

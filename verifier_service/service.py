@@ -8,6 +8,8 @@ deltas of a request concatenates exactly to its final token ids and text (tested
 Admission: at most ``max_queue`` requests are admitted (running + waiting); beyond that ``submit`` raises
 :class:`QueueFull` (RESOURCE_EXHAUSTED). While draining, ``submit`` raises :class:`Draining` (UNAVAILABLE).
 A cancelled request is removed from the scheduler, its KV blocks freed, and the drafter told to free its own.
+:meth:`EngineLoop.shed` ends every admitted request with a retryable :class:`Failed` (a drain's grace ran out), so
+that no handler is left waiting when the servers stop.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Finished:
 @dataclass(slots=True)
 class Failed:
     message: str
+    #: The request did nothing wrong (the server is going away): the caller may retry elsewhere (UNAVAILABLE).
+    retryable: bool = False
 
 
 @dataclass(slots=True)
@@ -69,9 +73,15 @@ class Handle:
     sent_chars: int = 0
     done: bool = False
     client: str = ""
+    #: The id its caller knows it by (the engine's own is assigned by the server).
+    public_id: str = ""
 
     def push(self, event: object) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Hand ``event`` to the handler's loop; a loop already closed (the server stopped) has nobody to tell."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            logger.debug("request %s: its server loop is closed", self.seq.request_id)
 
 
 class EngineLoop:
@@ -96,6 +106,7 @@ class EngineLoop:
         self.failures = 0
         #: A new drafter link handed over by another thread; swapped in by the engine thread between steps.
         self.pending_link = None
+        self._shed: str | None = None
 
     # ---- called from handlers (any thread) -------------------------------------------------------------------
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> Sequence:
@@ -135,6 +146,17 @@ class EngineLoop:
         self._wake.set()
         self.thread.join(timeout=10)
 
+    def shed(self, message: str, timeout_s: float = 5.0) -> bool:
+        """End every admitted request with a retryable :class:`Failed` (done by the engine thread between steps);
+        waits up to ``timeout_s`` for none to be admitted. True if none is."""
+        with self._lock:
+            self._shed = message
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while self.num_admitted and time.monotonic() < deadline and self.thread.is_alive():
+            time.sleep(0.02)
+        return self.num_admitted == 0
+
     def drain(self, timeout_s: float) -> bool:
         """Refuse new requests; wait up to ``timeout_s`` for admitted ones to finish. True if all finished."""
         self.draining = True
@@ -157,6 +179,8 @@ class EngineLoop:
             if self.pending_link is not None:
                 self._swap_link()
             self._admit()
+            if self._shed is not None:
+                self._end_all(Failed(self._shed, retryable=True))
             if self.engine.has_work():
                 m = self.engine.metrics
                 f0, d0 = m.forward_s, m.draft_s
@@ -229,7 +253,10 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         self.failures += 1
+        self._end_all(Failed(message))
+
+    def _end_all(self, event: Failed) -> None:
         for h in list(self.active.values()):
             if not h.seq.finished:
                 self.engine.cancel(h.seq)
-            self._end(h, Failed(message))
+            self._end(h, event)

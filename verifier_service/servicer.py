@@ -5,12 +5,18 @@ Status codes: INVALID_ARGUMENT (bad request, with a message), RESOURCE_EXHAUSTED
 (starting or draining), INTERNAL (an engine failure; the server keeps serving). A client that cancels (or whose
 deadline passes) has its request cancelled: KV blocks are freed here and on the drafter. A request that does not
 parse as protobuf reaches the handler as :class:`Malformed` and gets INVALID_ARGUMENT.
+
+Tokenising and chat templating run on a small thread pool, never on the event loop that relays every other
+stream. A request without ``max_new_tokens`` gets the default capped to what fits its context. The engine keys
+every request by an id the server assigns; a caller's ``request_id`` is only echoed in its result, so no client can
+probe or block another's ids.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -24,6 +30,8 @@ if TYPE_CHECKING:
     from verifier_service.server import VerifierServer
 
 SERVICE = "ssd.v1.Generation"
+#: Threads that tokenise and template prompts (a bound on the CPU one burst of huge prompts can take).
+TOKENIZE_THREADS = 2
 
 
 def _stats_pb(finished: Finished) -> pb.RequestStats:
@@ -41,7 +49,18 @@ def _stats_pb(finished: Finished) -> pb.RequestStats:
     return out
 
 
+def _default_max_new_tokens(context, default: int) -> int:
+    """The caller's default ``max_new_tokens`` (metadata ``ssd-default-max-new-tokens``, e.g. OpenAI's 16 for
+    completions), else ``default``."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "ssd-default-max-new-tokens" and str(value).isdigit() and int(value) > 0:
+            return int(value)
+    return default
+
+
 def _failure_code(ev: Failed) -> grpc.StatusCode:
+    if ev.retryable:
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL if ev.message.startswith("internal error") else grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -49,6 +68,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
     def __init__(self, server: VerifierServer) -> None:
         self.server = server
         self.streams_by_client: dict[str, int] = {}
+        self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ssd-tokenize")
 
     @staticmethod
     def _client_id(context) -> str:
@@ -78,13 +98,16 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
         try:
             prompt, params = codec.request_to_params(request)
-            ids = srv.encode(prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenize, srv.encode, prompt)
+            if not request.HasField("max_new_tokens"):
+                default = _default_max_new_tokens(context, params.max_new_tokens)
+                params = replace(params, max_new_tokens=min(default, srv.context_limit - len(ids)))
             srv.check_limits(ids, params)
             client = self._client_id(context)
             self._check_client_limits(client, ids, params)
-            seq = srv.engine_loop.new_sequence(ids, params, request.request_id)
+            seq = srv.engine_loop.new_sequence(ids, params)
             handle = srv.engine_loop.submit(seq, asyncio.get_running_loop())
-            handle.client = client
+            handle.client, handle.public_id = client, request.request_id or seq.request_id
             self.streams_by_client[client] = self.streams_by_client.get(client, 0) + 1
             return handle
         except QueueFull as exc:
@@ -94,10 +117,10 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    def _result(self, finished: Finished) -> pb.GenerateResult:
+    def _result(self, finished: Finished, request_id: str) -> pb.GenerateResult:
         seq = finished.seq
         return pb.GenerateResult(
-            request_id=seq.request_id, mode=self.server.config.spec.mode, token_ids=seq.output_ids, text=seq.text,
+            request_id=request_id, mode=self.server.config.spec.mode, token_ids=seq.output_ids, text=seq.text,
             finish_reason=codec.finish_reason_to_pb(seq.finish_reason), num_prompt_tokens=len(seq.prompt_ids),
             logprobs=seq.output_logprobs, stats=_stats_pb(finished),
             token_logprobs=self._token_logprobs(seq.output_ids, seq.output_logprobs, seq.output_top_logprobs))
@@ -129,7 +152,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
                         token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs,
                         token_logprobs=self._token_logprobs(ev.token_ids, ev.logprobs, ev.top_logprobs)))
                 elif isinstance(ev, Finished):
-                    yield pb.GenerateResponse(final=self._result(ev))
+                    yield pb.GenerateResponse(final=self._result(ev, handle.public_id))
                     return
                 elif isinstance(ev, Failed):
                     await context.abort(_failure_code(ev), ev.message)
@@ -142,7 +165,7 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
             while True:
                 ev = await handle.events.get()
                 if isinstance(ev, Finished):
-                    return self._result(ev)
+                    return self._result(ev, handle.public_id)
                 if isinstance(ev, Failed):
                     await context.abort(_failure_code(ev), ev.message)
         finally:
