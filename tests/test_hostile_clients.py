@@ -159,7 +159,7 @@ class Stream:
                     self.times.append(time.monotonic())
                     self.events.append(line[6:].strip().decode())
                     self.first.set()
-        except (OSError, ValueError):  # closed by the test: a hang-up
+        except (OSError, ValueError, AttributeError):  # closed by the test: a hang-up
             pass
 
     def longest_gap(self, t0: float, t1: float) -> float:
