@@ -518,6 +518,30 @@ def test_with_the_token_the_guarded_server_answers(guarded) -> None:
     assert guarded.post(b"x" * TEN_MB, headers=auth)[0] == 413
 
 
+# ---- per-client limits over HTTP ---------------------------------------------------------------------------------
+def test_http_clients_are_counted_apart(toy_pair) -> None:
+    """Without tokens every HTTP request reaches gRPC from the front door's own address; the limits still count
+    each HTTP client apart, so one cannot take the others' share."""
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig("ar", 0),
+                                                 http_port=0, served_model_name="toy", max_streams_per_client=1,
+                                                 max_model_len=MAX_MODEL_LEN, stats_log_interval_s=None))
+    server.start()
+    try:
+        host, port = server.http_address.rsplit(":", 1)
+        f = Front(server, None, host, int(port))
+        stream = Stream(f)  # client 127.0.0.1 holds its one stream
+        status, body = f.post(PROBE)
+        assert status == 429 and "in flight" in body["error"]["message"], body
+        other = http.client.HTTPConnection(host, int(port), timeout=60, source_address=("127.0.0.2", 0))
+        other.request("POST", "/v1/completions", body=json.dumps(PROBE), headers={"Content-Type": "application/json"})
+        r = other.getresponse()
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == PROBE["max_tokens"]
+        other.close()
+        stream.hang_up()
+    finally:
+        server.stop()
+
+
 # ---- shutdown with requests in flight ----------------------------------------------------------------------------
 def test_a_drain_with_requests_in_flight_ends_them_cleanly(toy_pair) -> None:
     """What SIGTERM does (``Deployment.shutdown`` drains the verifier): in-flight requests past the grace end with

@@ -255,8 +255,10 @@ def _validation_error(exc: ValidationError) -> oa.OpenAIError:
 
 
 def _forwarded(request: Request) -> tuple[tuple[str, str], ...]:
+    """The caller's token and address, as gRPC metadata: the server's per-client limits count HTTP clients apart."""
     auth = request.headers.get("authorization")
-    return (("authorization", auth),) if auth else ()
+    client = (("ssd-forwarded-client", request.client.host),) if request.client else ()
+    return ((("authorization", auth),) if auth else ()) + client
 
 
 class _Stream:

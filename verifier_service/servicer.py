@@ -15,6 +15,7 @@ probe or block another's ids.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from protos import codec
+from protos.security import is_loopback
 from protos.ssd.v1 import ssd_pb2 as pb
 from protos.ssd.v1 import ssd_pb2_grpc
 from verifier_service.service import Delta, Draining, Failed, Finished, QueueFull
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from verifier_service.server import VerifierServer
 
 SERVICE = "ssd.v1.Generation"
+#: gRPC metadata: the address of the HTTP client the local OpenAI front door calls for (trusted from loopback only).
+FORWARDED_CLIENT_KEY = "ssd-forwarded-client"
 #: Threads that tokenise and template prompts (a bound on the CPU one burst of huge prompts can take).
 TOKENIZE_THREADS = 2
 
@@ -72,13 +76,17 @@ class GenerationServicer(ssd_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _client_id(context) -> str:
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                import hashlib
-
-                return "token:" + hashlib.sha256(str(value).encode()).hexdigest()[:12]
-        peer = context.peer() or "unknown"
-        return "peer:" + peer.rsplit(":", 1)[0]
+        """A client is its bearer token if any, else its address. An HTTP client that the OpenAI front door on this
+        machine calls for is its own address (:data:`FORWARDED_CLIENT_KEY`), not the front door's: one HTTP client
+        cannot take every other's share of the per-client limits."""
+        metadata = dict(context.invocation_metadata() or ())
+        if "authorization" in metadata:
+            return "token:" + hashlib.sha256(str(metadata["authorization"]).encode()).hexdigest()[:12]
+        peer = (context.peer() or "unknown").rsplit(":", 1)[0]
+        forwarded = metadata.get(FORWARDED_CLIENT_KEY)
+        if forwarded and is_loopback(peer.split(":", 1)[-1]):
+            return f"peer:http:{forwarded}"
+        return "peer:" + peer
 
     def _check_client_limits(self, client: str, ids: list[int], params) -> None:
         c = self.server.config
