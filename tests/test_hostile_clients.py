@@ -6,7 +6,8 @@ One in-process SSD pair on the toy models (drafter and verifier gRPC servers, th
 group :func:`whole` checks that the server still answers a greedy request exactly as before, that running requests
 and KV usage (the verifier's and the drafter's) are back to 0, and that RSS grew by less than
 :data:`RSS_GROWTH_MB`. The tests that start servers of their own (auth, the drafter's token, the drain, the soak)
-come after every test of the shared one, so its RSS bound measures only what its clients did. Tests assert states; the only timings asserted are the issue's latency bars.
+come after every test of the shared one, so its RSS bound measures only what its clients did. Tests assert states;
+the only timings asserted are the issue's latency bars.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import grpc
 import pytest
 
 from drafter_service.server import DrafterServer, DrafterServerConfig

@@ -4,9 +4,10 @@ models and pure conversions to and from the ``ssd.v1`` protobuf messages.
 Requests tolerate unknown fields, as vLLM does (they are logged and ignored), but the known ones are strictly typed
 (``"max_tokens": true``, ``"stream": "yes"`` and ``"n": "2"`` are 400s). Fields that would change the target's
 distribution (penalties, ``logit_bias``) or that we cannot honour (``echo``, ``best_of`` > 1, tools, a
-``response_format`` other than text) are refused with a 400 rather than silently ignored. Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, and
-``max_tokens`` 16 for completions (:data:`COMPLETION_MAX_TOKENS`); chat leaves ``max_tokens`` to the server (128).
-An unset ``max_tokens`` is capped by the server to what fits the context, as vLLM does.
+``response_format`` other than text) are refused with a 400 rather than silently ignored. Defaults follow OpenAI:
+``temperature`` 1, ``top_p`` 1, and ``max_tokens`` 16 for completions (:data:`COMPLETION_MAX_TOKENS`); chat leaves
+``max_tokens`` to the server (128). An unset ``max_tokens`` is capped by the server to what fits the context, as vLLM
+does.
 Log-probabilities are the target's raw ones (before temperature and top-p), with token strings.
 """
 
