@@ -35,6 +35,7 @@ from spec_core.config import (
     SSDConfig,
     TreeShape,
     draft_dtype,
+    resolve_dtype,
 )
 from spec_core.fanout import FanoutConfig
 from verifier_service.scheduler import SchedulerConfig
@@ -128,11 +129,14 @@ class PairConfig:
                                     internal_tls=link_security(drafter_host, self.extra_verifier).verifier_tls,
                                     **self.extra_verifier)
 
-    def drafter_config(self, host: str = "127.0.0.1") -> DrafterServerConfig:
-        """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials."""
+    def drafter_config(self, host: str = "127.0.0.1", on_gpu: bool = False) -> DrafterServerConfig:
+        """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials. On CPUs
+        the draft's dtype follows the target's as it resolves there (an int4 target: an int4 draft), as locally."""
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
                         tree=TreeShape.parse(self.tree))
-        draft = ModelConfig(self.draft_path, draft_dtype(self.dtype), self.device)
+        target = self.dtype if on_gpu or self.device not in ("auto", "cpu") else resolve_dtype(
+            self.dtype, "cpu", self.target_path)
+        draft = ModelConfig(self.draft_path, draft_dtype(target), self.device)
         sec = link_security(host, self.extra_verifier)
         return DrafterServerConfig(draft, ssd, host=host, kv_memory_fraction=self.kv_memory_fraction,
                                    tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,
@@ -229,7 +233,7 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
         num_cpus=cpus[0], num_gpus=gpus[0], max_restarts=-1, name=name, namespace=namespace,
-    ).remote(cfg.drafter_config(host), 1 if pin else None, log_level=cfg.log_level)
+    ).remote(cfg.drafter_config(host, on_gpu=use_gpu), 1 if pin else None, log_level=cfg.log_level)
     # The verifier too: it comes back on the same public port (clients see UNAVAILABLE meanwhile and retry).
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),

@@ -119,12 +119,15 @@ def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
 def model_name(path: str | Path) -> str:
     """The name a model is served under by default: a GGUF's file name without its quantization suffix
     (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``; dots inside the name stay:
-    ``qwen2.5-coder-1.5b-instruct-q4_k_m.gguf``), also for its converted folder; else the folder's name."""
+    ``qwen2.5-coder-1.5b-instruct-q4_k_m.gguf``), also for its converted folder; a shipped model's name for its
+    unpacked folder (``smollm2-draft``); else the folder's name."""
     import json
     import re
 
     p = Path(path)
     source = p / "gguf_source.json"
+    if p.parent == cache_dir() / "assets":  # unpacked from spec_core/assets/models/NAME: NAME-<digest>
+        return re.sub(r"-[0-9a-f]{12}$", "", p.name)
     if p.is_dir() and source.is_file():
         p = Path(json.loads(source.read_text())["file"])
     return re.sub(r"\.(?:I?Q\d\w*|BF16|F16|F32)$", "", p.name[:-len(".gguf")], flags=re.I) if is_gguf(p) else p.name

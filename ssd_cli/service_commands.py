@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from spec_core.config import SSD_DEFAULT_TREE
@@ -122,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.launch import launch
     from cluster.serve_config import ServeSettings
-    from spec_core.model_paths import check_model_dir
+    from spec_core.config import resolve_dtype
+    from spec_core.model_paths import check_model_dir, model_name
 
     given = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
     try:
@@ -134,33 +136,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     check_model_dir(cfg.target_path)
     check_model_dir(cfg.draft_path)
+    if not settings.address:  # an embedded Ray: the actors bind on this machine, so say now if they cannot
+        _check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
+    t0 = time.monotonic()
     if settings.address:
+        _progress(f"joining the Ray cluster at {settings.address}")
         ray.init(address=settings.address, logging_level=logging.WARNING)
     else:
+        _progress("starting a local Ray")
         ray.init(address="local", num_cpus=settings.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+    _progress(f"Ray up ({ray.cluster_resources().get('CPU', 0):.0f} CPUs) in {time.monotonic() - t0:.1f} s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    dtype = cfg.dtype if cfg.dtype != "auto" else f"auto: {resolve_dtype('auto', 'cpu', cfg.target_path)} on a CPU"
+    _progress(f"loading target {model_name(cfg.target_path)} (dtype {dtype}) in the verifier actor")
+    _progress(f"loading draft {model_name(cfg.draft_path)} in the drafter actor")
+    t0 = time.monotonic()
     try:
         deployment = launch(cfg)
     except Exception as exc:
         ray.shutdown()
         raise CliError(f"could not start the service: {exc}") from exc
     info = deployment.info()
-    print(f"ssd serve: gRPC address {deployment.address}", flush=True)
+    logger.info("deployment: %s", info)
     verifier = info["verifier"]
+    _progress(f"target and draft loaded in {time.monotonic() - t0:.1f} s")
+    _progress(f"listening: gRPC at {deployment.address}")
     if verifier.get("http_address"):
-        print(f"ssd serve: OpenAI-compatible HTTP at http://{verifier['http_address']}/v1 (model "
-              f"{verifier.get('model_name')!r})", flush=True)
+        _progress(f"listening: OpenAI-compatible HTTP at http://{verifier['http_address']}/v1 (model "
+                  f"{verifier.get('model_name')!r})")
     if verifier.get("metrics_address"):
-        print(f"ssd serve: Prometheus metrics at http://{verifier['metrics_address']}/metrics", flush=True)
-    print_json(info)
-    sys.stdout.flush()
+        _progress(f"listening: Prometheus metrics at http://{verifier['metrics_address']}/metrics")
     stop.wait()
     logger.warning("draining (up to %.0f s) ...", settings.drain_grace)
     deployment.shutdown(settings.drain_grace)
     ray.shutdown()
     return 0
+
+
+def _progress(line: str) -> None:
+    print(f"ssd serve: {line}", flush=True)
+
+
+def _check_ports(host: str, ports: dict[str, int | None]) -> None:
+    """A one-line error for the first given port (not 0) that ``host`` cannot bind, before anything loads."""
+    import socket
+
+    for flag, port in ports.items():
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise CliError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); is another "
+                               "server running there? Choose another port, or 0 for any free one") from None
 
 
 def _client(args: argparse.Namespace, **kw):
