@@ -137,9 +137,10 @@ def assert_openai_error(status: int, body: dict | None, expected: int) -> dict:
 class Stream:
     """A streamed completion read on its own thread, each SSE event's arrival time kept."""
 
-    def __init__(self, front: Front, max_tokens: int = MAX_MODEL_LEN - 16, **extra) -> None:
+    def __init__(self, front: Front, max_tokens: int = MAX_MODEL_LEN - 16, prompt: str = "def f(x):",
+                 **extra) -> None:
         self.conn = front.conn(timeout=120)
-        body = {"model": "toy", "prompt": "def f(x):", "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": "toy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, **extra}
         self.conn.request("POST", "/v1/completions", body=json.dumps(body),
                           headers={"Content-Type": "application/json"})
@@ -516,6 +517,29 @@ def test_with_the_token_the_guarded_server_answers(guarded) -> None:
     status, body = guarded.post({**PROBE, "max_tokens": 3}, headers=auth)
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     assert guarded.post(b"x" * TEN_MB, headers=auth)[0] == 413
+
+
+# ---- a killed drafter ----------------------------------------------------------------------------------------------
+def test_a_drafter_killed_mid_stream_loses_nothing(toy_pair) -> None:
+    """The verifier serves from its backup speculator: the stream in flight finishes with the very text it would
+    have had, and nothing is left running."""
+    f = start_front(toy_pair, stats_log_interval_s=None)
+    try:
+        body = {**PROBE, "max_tokens": 200}
+        status, full = f.post(body)
+        assert status == 200
+        stream = Stream(f, max_tokens=200, prompt=PROBE["prompt"])
+        f.drafter.stop()
+        stream.thread.join(60)
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in stream.events if e.startswith("{"))
+        assert stream.events[-1] == "[DONE]" and text == full["choices"][0]["text"]
+        assert not f.server.link.alive
+        s = f.server.stats()
+        assert s["running"] == 0 and s["kv_usage"] == 0.0 and not f.server.engine_loop.active
+        status, after = f.post(body)
+        assert status == 200 and after["choices"][0]["text"] == full["choices"][0]["text"]
+    finally:
+        f.server.stop()
 
 
 # ---- per-client limits over HTTP ---------------------------------------------------------------------------------
