@@ -107,7 +107,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verifier_service.api import Generator  # torch and transformers: only once the flags are known to be good
 
     set_threads(args.threads)
-    gen = Generator(target, draft, k=args.k, adaptive=not args.fixed_k)
+    # SSD's draft lives in its drafter process alone: this process loads it only for SD
+    gen = Generator(target, draft if args.mode == "sd" else None, k=args.k, adaptive=not args.fixed_k)
     extra: dict = {}
     if args.mode == "ssd":
         result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k, adaptive=not args.fixed_k)
