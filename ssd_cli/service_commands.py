@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -159,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
         raise CliError(f"could not start the service: {exc}") from exc
     info = deployment.info()
-    logger.info("deployment: %s", info)
+    logger.info("deployment: %s", json.dumps(info))  # (`ssd -v serve`: ids, pids, cores, addresses)
     verifier = info["verifier"]
     _progress(f"target and draft loaded in {time.monotonic() - t0:.1f} s")
     _progress(f"listening: gRPC at {deployment.address}")

@@ -136,31 +136,36 @@ def real_pair() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def served():
-    """``ssd serve`` as a subprocess with its own embedded Ray on free ports (gRPC, HTTP, metrics), fp32 for the
-    exactness checks: ``(process, info)``, ``info`` being the JSON line it prints. Shared by the whole session;
-    the one test that stops it is marked ``stops_served`` and runs last."""
+    """``ssd -v serve`` as a subprocess with its own embedded Ray on free ports (gRPC, HTTP, metrics), fp32 for the
+    exactness checks: ``(process, info)``, ``info`` being the deployment it logs (JSON). Shared by the whole
+    session; the one test that stops it is marked ``stops_served`` and runs last."""
     import json
     import os
     import subprocess
     import sys
-    import time
+    import threading
+    from collections import deque
 
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "serve", "--port", "0", "--metrics-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "-v", "serve", "--port", "0", "--metrics-port", "0",
                              "--http-port", "0", "--dtype", "float32"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    info = None
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith("{"):
-            info = json.loads(line)
-            break
-    if info is None:
+    tail: deque[str] = deque(maxlen=40)
+    found = threading.Event()
+    info: dict = {}
+
+    def read_log() -> None:  # drained for the whole session: a full pipe would block the server's logging
+        for line in proc.stderr:
+            tail.append(line)
+            if not found.is_set() and " ssd: deployment: {" in line:
+                info.update(json.loads(line.split(" ssd: deployment: ", 1)[1]))
+                found.set()
+        found.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    if not found.wait(240) or not info:
         proc.kill()
-        pytest.fail(f"ssd serve did not start: {proc.stderr.read()[-2000:]}")
+        pytest.fail(f"ssd serve did not start: {''.join(tail)[-2000:]}")
     yield proc, info
     if proc.poll() is None:
         proc.kill()
