@@ -99,24 +99,26 @@ class ModeRunner:
             from benchmarks.service_mode import ServiceMode
 
             self.service = ServiceMode(target.path, draft.path, settings.k, dtype=target.resolved_dtype)
-        self.local_ssds: dict[str, object] = {}
-        for mode in (m for m in LOCAL_SSD_MODES if m in modes):
-            from cluster.local_ssd import LocalSSD, LocalSSDConfig
-            from spec_core.config import SSDConfig, TreeShape
-            from spec_core.fanout import FanoutConfig
-
-            pair = self.gen.pair
-            tree = TreeShape.parse("chain" if mode == "ssd-chain" else settings.tree)
-            ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget),
-                                saguaro_c=settings.saguaro_c, tree=tree)
-            local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
-                                       draft_cpu_kernels=draft.cpu_kernels,
-                                       adaptive_k=settings.adaptive_k, lend_cores=settings.lend_cores,
-                                       sampling="coupled" if mode == "ssd-coupled" else settings.sampling)
-            self.local_ssds[mode] = LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
+        self.local_ssds = {m: self._local_ssd(m, settings, draft) for m in LOCAL_SSD_MODES if m in modes}
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
         self.planners: dict[str, object] = {}
+
+    def _local_ssd(self, mode: str, settings: BenchSettings, draft: ModelConfig):
+        """A local two-process SSD for ``mode``, entered (closed by :meth:`close`)."""
+        from cluster.local_ssd import LocalSSD, LocalSSDConfig
+        from spec_core.config import SSDConfig, TreeShape
+        from spec_core.fanout import FanoutConfig
+
+        pair = self.gen.pair
+        tree = TreeShape.parse("chain" if mode == "ssd-chain" else settings.tree)
+        ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c,
+                            tree=tree)
+        local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
+                                   draft_cpu_kernels=draft.cpu_kernels, adaptive_k=settings.adaptive_k,
+                                   lend_cores=settings.lend_cores,
+                                   sampling="coupled" if mode == "ssd-coupled" else settings.sampling)
+        return LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
 
     def close(self) -> None:
         for local in self.local_ssds.values():

@@ -153,6 +153,7 @@ def _runs_of(report: dict, mode: str, like: dict) -> list[dict]:
                 and (r["temperature"], r["concurrency"]) == (like["temperature"], like["concurrency"]))
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_sweep_reports_the_best_budget(tmp_path, toy_pair):
     """The sweep machinery (on the toy pair; the pair loads once for all points)."""
     out = tmp_path / "sweep.json"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from drafter_service.server import DrafterServer, DrafterServerConfig
 from protos import codec
 from spec_core.config import ModelConfig, SamplingParams, SpeculationConfig, SSDConfig
+from spec_core.model_paths import model_name
 from verifier_service.client import SSDClient
 from verifier_service.server import VerifierServer, VerifierServerConfig
 from verifier_service.stats_log import StatsLogger, format_line
@@ -115,7 +115,7 @@ def test_every_sample_has_the_model_name(sd_server, ssd_server, toy_pair) -> Non
     with SSDClient(ssd_server.address) as client:
         client.complete(PROMPTS[0], SamplingParams(max_new_tokens=4))
     assert model_names(sd_server.metrics.exposition()) == {"toy-sd"}  # served_model_name
-    assert model_names(ssd_server.metrics.exposition()) == {Path(toy_pair["target"]).name}  # the target folder's
+    assert model_names(ssd_server.metrics.exposition()) == {model_name(toy_pair["target"])}  # the target's name
 
 
 def test_metrics_port_serves_the_same_registry(sd_server) -> None:

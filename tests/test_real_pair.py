@@ -146,8 +146,10 @@ def test_bf16_greedy_agreement_is_reported(real_pair, pair, prompts, hf_greedy, 
     assert first >= 0.75 * len(prompts), first
 
 
-# w8a8's SD and SSD rows run with the slow tests (for the suite's wall time); its AR row runs in the next test.
-@pytest.mark.parametrize("fmt", ["int8", "int4", pytest.param("w8a8", marks=pytest.mark.slow)])
+# int8's and w8a8's SD and SSD rows run with the slow tests (for the suite's wall time); int4 is the default's, and
+# w8a8's AR row runs in the next test.
+@pytest.mark.parametrize("fmt", [pytest.param("int8", marks=pytest.mark.slow), "int4",
+                                 pytest.param("w8a8", marks=pytest.mark.slow)])
 def test_weight_only_greedy_agreement_is_reported(fmt, real_pair, pair, prompts, hf_greedy, report, tmp_path):
     """A quantized format (int8, int4: the GGUF's own Q4_1 codes, or w8a8: int8 activations too) is its own numeric
     model. Through torch's kernels it is not a batch-invariant one (they round products to bf16, so a verify over

@@ -21,7 +21,6 @@ fails; an error after the first token ends the stream with an ``error`` event, t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -36,15 +35,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from protos.ssd.v1 import ssd_pb2 as pb
 from verifier_service import openai_protocol as oa
+from verifier_service.openai_front_door import (
+    DEFAULT_MAX_BODY_BYTES,
+    FrontDoor,
+    error_response,
+    http_error,
+    internal_error,
+    loads,
+    read_body,
+)
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 3600.0
 DONE = "data: [DONE]\n\n"
-#: The default request-body limit: far above any prompt that fits a context, far below what hurts the server.
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-#: Paths that answer without a token (load balancers' probes).
-OPEN_PATHS = ("/health",)
 #: gRPC metadata: the caller's default ``max_new_tokens`` for a request that sets none (capped to its context).
 DEFAULT_MAX_NEW_TOKENS_KEY = "ssd-default-max-new-tokens"
 #: Internal request fields named in the server's messages, as the HTTP API names them.
@@ -61,10 +65,6 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _error(exc: oa.OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
 def _rpc_error(exc: grpc.aio.AioRpcError) -> oa.OpenAIError:
     status = oa.http_status(exc.code())
     kind = "invalid_request_error" if status < 500 else "server_error"
@@ -73,36 +73,6 @@ def _rpc_error(exc: grpc.aio.AioRpcError) -> oa.OpenAIError:
         if internal in message:
             message, param = message.replace(internal, public), public
     return oa.OpenAIError(status, message, kind=kind, param=param, code=exc.code().name.lower())
-
-
-def too_large(limit: int) -> oa.OpenAIError:
-    return oa.OpenAIError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                          code="request_too_large")
-
-
-def loads(raw: bytes) -> object:
-    """JSON from a request body; a 400 for anything that is not JSON, nesting deeper than the parser's recursion
-    bound included."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise oa.OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise oa.OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, read in chunks and refused (413) as soon as it passes ``limit`` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -200,9 +170,9 @@ class OpenAIHandlers:
             to_pb = oa.chat_to_pb if chat else oa.completion_to_pb
             reqs = [to_pb(req, i) for i in range(req.n)]
         except oa.OpenAIError as exc:
-            return _error(exc)
+            return error_response(exc)
         except ValueError as exc:  # a protobuf field out of range
-            return _error(oa.OpenAIError(400, str(exc)))
+            return error_response(oa.OpenAIError(400, str(exc)))
         metadata = _forwarded(request)
         if not chat and req.max_tokens is None:
             metadata += ((DEFAULT_MAX_NEW_TOKENS_KEY, str(oa.COMPLETION_MAX_TOKENS)),)
@@ -215,7 +185,7 @@ class OpenAIHandlers:
             calls = [self.stub().Generate(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
             firsts = await unless_disconnected(request, _first_messages(calls))
         except grpc.aio.AioRpcError as exc:
-            return _error(_rpc_error(exc))
+            return error_response(_rpc_error(exc))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -338,50 +308,6 @@ class _Stream:
                 c.cancel()
 
 
-class FrontDoor:
-    """ASGI middleware before routing: authentication first (every path but :data:`OPEN_PATHS` answers 401
-    without the bearer token, unknown paths included), then a declared ``Content-Length`` over the limit answers 413
-    without a byte of the body read."""
-
-    def __init__(self, app, token: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self._expected = f"Bearer {token}".encode() if token else None
-
-    def _authorized(self, scope: dict) -> bool:
-        if self._expected is None or scope.get("path") in OPEN_PATHS:
-            return True
-        got = next((v for k, v in scope.get("headers") or () if k == b"authorization"), b"")
-        return hmac.compare_digest(got, self._expected)
-
-    def _refusal(self, scope: dict) -> oa.OpenAIError | None:
-        if not self._authorized(scope):
-            return oa.OpenAIError(401, "missing or invalid bearer token", code="invalid_api_key")
-        declared = next((v for k, v in scope.get("headers") or () if k == b"content-length"), b"")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return too_large(self.max_body_bytes)
-        return None
-
-    async def __call__(self, scope, receive, send) -> None:
-        refusal = self._refusal(scope) if scope["type"] == "http" else None
-        if refusal is None:
-            await self.app(scope, receive, send)
-            return
-        headers = {"WWW-Authenticate": "Bearer"} if refusal.status == 401 else None
-        await JSONResponse(refusal.body(), status_code=refusal.status, headers=headers)(scope, receive, send)
-
-
-async def _http_error(request: Request, exc) -> Response:
-    """Starlette's own refusals (an unknown path 404, a wrong method 405) in OpenAI's shape."""
-    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    body = oa.OpenAIError(exc.status_code, str(exc.detail), kind=kind).body()
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error on %s: %r", request.url.path, exc)
-    return _error(oa.OpenAIError(500, "internal server error", kind="server_error"))
-
-
 def create_app(handlers: OpenAIHandlers):
     """A FastAPI app with the OpenAI routes, ``/health`` and ``/metrics``, behind the :class:`FrontDoor`; every
     error in OpenAI's shape."""
@@ -394,8 +320,8 @@ def create_app(handlers: OpenAIHandlers):
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     app.add_middleware(FrontDoor, token=handlers.token, max_body_bytes=handlers.max_body_bytes)
     return app
 
