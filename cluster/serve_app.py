@@ -26,10 +26,18 @@ import urllib.request
 
 from fastapi import FastAPI, Request
 from ray import serve
+from starlette.exceptions import HTTPException
+
+from verifier_service.openai_front_door import DEFAULT_MAX_BODY_BYTES, FrontDoor, http_error, internal_error
 
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="ssd-serve", description="OpenAI-compatible API over speculative speculative decoding")
+# the front door of ``ssd serve --http-port``: the body limit before a byte past it is read, every refusal (an
+# unknown path or method, a crash) in OpenAI's error shape; authentication stays the verifier's gRPC own here
+api.add_exception_handler(HTTPException, http_error)
+api.add_exception_handler(Exception, internal_error)
+api.add_middleware(FrontDoor, token=None, max_body_bytes=DEFAULT_MAX_BODY_BYTES)
 
 #: Requests one replica takes at once: its engine's admission queue, far above Serve's default of 5.
 MAX_ONGOING_REQUESTS = 64

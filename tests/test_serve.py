@@ -87,6 +87,14 @@ def test_openai_completions_stream_and_models(serve_app, greedy_reference) -> No
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(bad, timeout=60)
     assert info.value.code == 400 and "top_p" in json.load(info.value)["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as info:  # errors in OpenAI's shape, as ssd serve's
+        urllib.request.urlopen(f"{base}/v1/nothing", timeout=60)
+    assert info.value.code == 404 and json.load(info.value)["error"]["message"]
+    big = urllib.request.Request(f"{base}/v1/completions", data=b"x" * (5 * 2**20),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(big, timeout=60)
+    assert info.value.code == 413 and json.load(info.value)["error"]["code"] == "request_too_large"
 
 
 def test_eight_concurrent_openai_streams_run_at_once(serve_app, greedy_reference) -> None:
