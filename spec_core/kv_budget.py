@@ -16,9 +16,17 @@ CPU_CAP_BYTES = 4 << 30
 
 
 def free_bytes(device: torch.device) -> int:
-    """Memory free on ``device`` now: CUDA's free memory, or the host's available RAM."""
+    """Memory free on ``device`` now: CUDA's free memory, or the host's available RAM (``MemAvailable``: the page
+    cache counts as free, as the kernel gives it back; after reading a large model, free pages alone can be a few
+    hundred MB of 24 GB)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
