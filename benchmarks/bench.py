@@ -48,6 +48,8 @@ class BenchSettings:
     #: The sd modes choose K per step from measured costs too (``ssd demo``; the bench's SD runs at fixed K).
     sd_adaptive: bool = False
 
+    #: The ssd modes' drafting strategy (``SSDConfig.strategy``).
+    ssd_strategy: str = "auto"
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -81,7 +83,8 @@ class BenchSettings:
                              tree=tree, prompt_set=getattr(args, "prompt_set", "humaneval"),
                              adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False),
                              sampling=getattr(args, "sampling", "auto"),
-                             lend_cores=not getattr(args, "no_lend_cores", False))
+                             lend_cores=not getattr(args, "no_lend_cores", False),
+                             ssd_strategy=getattr(args, "ssd_strategy", "auto"))
 
 
 def _seed(settings: BenchSettings, prompt: int, rep: int) -> int | None:

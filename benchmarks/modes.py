@@ -113,7 +113,7 @@ class ModeRunner:
         pair = self.gen.pair
         tree = TreeShape.parse("chain" if mode == "ssd-chain" else settings.tree)
         ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c,
-                            tree=tree)
+                            tree=tree, strategy=settings.ssd_strategy)
         local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
                                    draft_cpu_kernels=draft.cpu_kernels, adaptive_k=settings.adaptive_k,
                                    lend_cores=settings.lend_cores,

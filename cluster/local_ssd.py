@@ -11,6 +11,7 @@ re-prefills there, as a reconnected gRPC drafter does.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import threading
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ import torch
 
 from drafter_service.process import DrafterProcessConfig, spawn_drafter
 from protos import codec
+from spec_core.arch import decode_params
 from spec_core.config import SSDConfig, draft_dtype
 from spec_core.runner import ModelRunner
 from verifier_service.core_lending import core_lending
 from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.run_ahead_proposer import RunAheadProposer
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.ssd_proposer import SSDProposer
 
@@ -77,17 +80,21 @@ class LocalSSD:
         self.restarts = 0
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
+        #: Set while a run-ahead verifier waits for its drafter, which then borrows its core (shared memory).
+        self._waiting = mp.get_context("spawn").RawValue("b", 0)
 
     def _spawn(self) -> None:
         cfg, ssd = self.config, self.config.ssd
         hello = codec.make_hello("", self.target.vocab_size, ssd.k, ssd.fanout.budget,
-                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), cfg.backup, cfg.wait_fraction)
+                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), cfg.backup, cfg.wait_fraction,
+                                 target_params=decode_params(self.target.hf_config))
+        lend = cfg.verifier_core if cfg.lend_cores and self.target.device.type == "cpu" else None
         self.proc, self.link, self.drafter_info = spawn_drafter(
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  dtype=cfg.draft_dtype or self._default_draft_dtype(),
                                  device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows,
-                                 cpu_kernels=cfg.draft_cpu_kernels),
-            hello,
+                                 cpu_kernels=cfg.draft_cpu_kernels, lend_core=lend),
+            hello, waiting=self._waiting,
         )
 
     def _default_draft_dtype(self) -> str:
@@ -118,15 +125,20 @@ class LocalSSD:
             self._old_affinity = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {cfg.verifier_core})
         torch.set_num_threads(1)
-        proposer = SSDProposer(self.link, self.target.vocab_size, backup=cfg.backup, wait_fraction=cfg.wait_fraction,
-                               backup_policy=cfg.backup_policy, device=self.target.device,
-                               max_nodes=cfg.ssd.max_nodes)
+        common = dict(backup=cfg.backup, wait_fraction=cfg.wait_fraction, backup_policy=cfg.backup_policy,
+                      device=self.target.device, max_nodes=cfg.ssd.max_nodes)
+        if self.strategy == "run-ahead":
+            proposer = RunAheadProposer(self.link, self.target.vocab_size, waiting=self._waiting, **common)
+        else:
+            proposer = SSDProposer(self.link, self.target.vocab_size, **common)
         sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.max_nodes)
         self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
                                                                verify_delay_s=cfg.verify_delay_s,
                                                                sampling=cfg.sampling),
                                      drafter=proposer, k=cfg.ssd.k)
-        if cfg.adaptive_k:
+        if cfg.adaptive_k and self.strategy == "run-ahead":
+            logger.info("run-ahead drafting keeps K fixed at %d (the planner's costs model a fan-out drafter)", cfg.ssd.k)
+        elif cfg.adaptive_k:
             from verifier_service.adaptive import AdaptiveK
 
             self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
@@ -139,6 +151,11 @@ class LocalSSD:
             self._watcher = threading.Thread(target=self._watch, name="drafter-watch", daemon=True)
             self._watcher.start()
         return self
+
+    @property
+    def strategy(self) -> str:
+        """What the drafter runs: ``fanout`` or ``run-ahead`` (:data:`spec_core.config.SSD_STRATEGIES`)."""
+        return self.drafter_info.get("strategy", "fanout")
 
     @property
     def proposer(self) -> SSDProposer:
@@ -185,6 +202,10 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         "branches_per_bundle": delta["branches"] / delta["bundles"] if delta["bundles"] else None,
         # steps on both cores, every request plain (verifier_service.core_lending)
         "lent_steps": delta["lent"],
+        "strategy": local.strategy,
+        # run-ahead: the share of the decode the drafter spent in forwards
+        "drafter_busy_fraction": (delta["drafter_busy"] / stats.decode_s
+                                  if stats.decode_s and local.strategy == "run-ahead" else None),
     }
     return seq, stats, ssd
 
@@ -195,4 +216,5 @@ def _snapshot(local: LocalSSD) -> dict[str, float]:
             "spec_rounds": sum(s.accepted_hist), "off_spine": s.off_spine_rounds, "bundle_waited": s.bundle_wait_rounds,
             "lookup_tokens": s.lookup_tokens,
             "bundles": s.bundles_received, "branches": s.branches_received,
-            "lent": local.engine.lending.lent_steps if local.engine.lending is not None else 0}
+            "lent": local.engine.lending.lent_steps if local.engine.lending is not None else 0,
+            "drafter_busy": getattr(local.proposer, "drafter_busy_s", 0.0)}

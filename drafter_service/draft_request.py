@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from drafter_service.candidate_trees import LookupStats
+from spec_core.config import SamplingParams
 from spec_core.ngram import NgramIndex
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle
@@ -33,3 +34,11 @@ class DraftRequest:
 def glue_start(r: DraftRequest) -> int:
     """Where ``r``'s glue forward starts: its first token without K/V (the last token always re-runs)."""
     return min(r.num_computed, r.seq.num_tokens - 1)
+
+
+def drafter_params(params: SamplingParams) -> SamplingParams:
+    """A request's sampling parameters on the drafter: its own random stream, independent of the verifier's
+    acceptance uniforms (a coupled request keeps the verifier's seed: its drafter races with it)."""
+    if params.coupled:
+        return params
+    return replace(params, seed=None if params.seed is None else (params.seed * 1_000_003 + 0x5EED) % (1 << 63))

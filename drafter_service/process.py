@@ -14,14 +14,18 @@ import queue
 import select
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from drafter_service.core_borrowing import core_borrowing
+from drafter_service.draft_request import drafter_params
+from drafter_service.run_ahead import RunAheadDrafter, RunAheadLoop
 from drafter_service.ssd_drafter import DraftRequest, SSDDrafter
 from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
-from spec_core.config import ModelConfig, SSDConfig
+from spec_core.arch import decode_params
+from spec_core.config import ModelConfig, SSDConfig, resolve_strategy
 from spec_core.models import load_runner
 from spec_core.ngram import backup_tokens
 from spec_core.runner import ModelRunner
@@ -147,16 +151,13 @@ class DrafterProcessConfig:
     cpu_kernels: bool = True  #: :mod:`spec_core.cpu_kernels`
     #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
     tree_delay_s: float = 0.0
+    #: Run-ahead drafting on a CPU: the verifier's core, borrowed while the verifier waits (None: never).
+    lend_core: int | None = None
 
     def model(self) -> ModelConfig:
         """The draft as a :class:`ModelConfig`: a weight format (``w8a8`` under an int4 target) is a format, not
         only a compute dtype."""
         return ModelConfig(self.draft_path, self.dtype, self.device, self.pad_rows, self.cpu_kernels)
-
-
-def _drafter_seed(seed: int | None) -> int | None:
-    """The drafter's random stream must be independent of the verifier's acceptance uniforms."""
-    return None if seed is None else (seed * 1_000_003 + 0x5EED) % (1 << 63)
 
 
 class DrafterLoop:
@@ -181,8 +182,7 @@ class DrafterLoop:
         reqs, specs, misses = [], [], []
         for ev in events:
             if isinstance(ev, PrefillEvent):
-                params = ev.params if ev.params.coupled else replace(ev.params, seed=_drafter_seed(ev.params.seed))
-                self.drafter.add(Sequence(ev.request_id, list(ev.token_ids), params), ev.k)
+                self.drafter.add(Sequence(ev.request_id, list(ev.token_ids), drafter_params(ev.params)), ev.k)
                 # Round 0 verifies no speculation (the target's prefill): pre-draft for its bonus token already.
                 req = self.drafter.requests[ev.request_id]
                 req.round = 0
@@ -280,8 +280,9 @@ def load_draft(config: DrafterProcessConfig) -> ModelRunner:
     return load_runner(config.model(), reference=False)
 
 
-def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
-    """Entry point of the drafter process: pin, load, answer the verifier's hello, serve until the pipe closes."""
+def drafter_process_main(conn, config: DrafterProcessConfig, waiting=None) -> None:
+    """Entry point of the drafter process: pin, load, answer the verifier's hello, serve until the pipe closes.
+    ``waiting``: the verifier's "I wait for the drafter" flag (shared memory), for :mod:`core_borrowing`."""
     if config.core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.core})
     torch.set_num_threads(1)
@@ -294,20 +295,35 @@ def drafter_process_main(conn, config: DrafterProcessConfig) -> None:
     if first.WhichOneof("event") != "hello":
         raise RuntimeError("the first event on the drafter pipe must be hello")
     backup, wait_fraction = codec.backup_settings(first.hello)
+    strategy = drafter_strategy(config.ssd, runner, first.hello.target_params)
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     link.send_pb(pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
                                                    model=config.draft_path, device=str(runner.device),
-                                                   affinity=affinity)))
-    DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, backup, wait_fraction).run()
+                                                   affinity=affinity, strategy=strategy)))
+    if strategy == "run-ahead":
+        borrowing = core_borrowing(waiting, config.core, config.lend_core, runner)
+        RunAheadLoop(RunAheadDrafter(runner, config.ssd), link, borrowing).run()
+    else:
+        DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, backup, wait_fraction).run()
 
 
-def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0
+def drafter_strategy(ssd: SSDConfig, runner: ModelRunner, target_params: int) -> str:
+    """The strategy this drafter runs: ``ssd.strategy``, or for ``auto`` by the share of the target's weights its
+    own make (``fanout`` when the verifier did not send the target's)."""
+    if ssd.strategy == "auto" and not target_params:
+        return "fanout"
+    return resolve_strategy(ssd.strategy, decode_params(runner.hf_config), target_params)
+
+
+def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0, waiting=None
                   ) -> tuple[mp.Process, PipeLink, dict]:
     """Start the drafter process, send ``hello`` (with the verifier's backup settings) and wait for its ack;
-    returns the process, the verifier's end of the link and the ack as a dict (pid, device, affinity)."""
+    returns the process, the verifier's end of the link and the ack as a dict (pid, device, affinity, strategy).
+    ``waiting``: a shared flag (``multiprocessing`` raw value, spawn context) the verifier sets while it waits for a
+    run-ahead drafter, which then borrows ``config.lend_core``."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=drafter_process_main, args=(child, config), daemon=True, name="ssd-drafter")
+    proc = ctx.Process(target=drafter_process_main, args=(child, config, waiting), daemon=True, name="ssd-drafter")
     proc.start()
     link = PipeLink(parent, vocab_size=hello.vocab_size, proc=proc)
     link.send_pb(pb.DrafterEvent(hello=hello))
@@ -317,4 +333,5 @@ def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: floa
             proc.kill()
             raise RuntimeError(f"drafter process did not become ready (exit code {proc.exitcode})")
     ack = link.recv_pb().ack
-    return proc, link, {"pid": ack.pid, "device": ack.device, "model": ack.model, "affinity": list(ack.affinity)}
+    return proc, link, {"pid": ack.pid, "device": ack.device, "model": ack.model, "affinity": list(ack.affinity),
+                        "strategy": ack.strategy or "fanout"}

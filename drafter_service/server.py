@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from drafter_service.process import DrafterLoop
+from drafter_service.process import DrafterLoop, drafter_strategy
+from drafter_service.run_ahead import RunAheadDrafter, RunAheadLoop
 from drafter_service.ssd_drafter import SSDDrafter
 from protos import codec
 from protos.serving import PeekQueue, ServerThread, add_health_and_reflection, set_health
@@ -77,16 +78,24 @@ class QueueLink:
     def recv(self) -> object:
         return self.inbox.recv()
 
+    def flush(self) -> None:
+        """Sends go to the stream writer as they come: nothing to flush."""
+
 
 class _Session:
-    def __init__(self, drafter: SSDDrafter, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop,
+    def __init__(self, runner: ModelRunner, config: DrafterServerConfig, loop: asyncio.AbstractEventLoop,
                  hello: pb.Hello) -> None:
-        """The backup settings are the verifier's, from its ``hello``."""
+        """The backup settings are the verifier's, from its ``hello``; so is the target's size, by which the
+        ``auto`` strategy picks run-ahead drafting (:func:`drafter_service.process.drafter_strategy`)."""
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.link = QueueLink(loop, self.outbox)
         backup, wait_fraction = codec.backup_settings(hello)
-        self.loop = DrafterLoop(drafter, self.link, backup=backup, wait_fraction=wait_fraction,
-                               event_delay_s=config.inject_delay_s)
+        self.strategy = drafter_strategy(config.ssd, runner, hello.target_params)
+        if self.strategy == "run-ahead":
+            self.loop = RunAheadLoop(RunAheadDrafter(runner, config.ssd), self.link)
+        else:
+            self.loop = DrafterLoop(SSDDrafter(runner, config.ssd), self.link, backup=backup,
+                                    wait_fraction=wait_fraction, event_delay_s=config.inject_delay_s)
         self.thread = threading.Thread(target=self._run, args=(loop,), name="drafter-loop", daemon=True)
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,7 +134,7 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
         if old is not None:
             old.stop()
             await asyncio.to_thread(old.thread.join, 10.0)
-        session = _Session(SSDDrafter(self.runner, self.config.ssd), self.config, asyncio.get_running_loop(), hello)
+        session = _Session(self.runner, self.config, asyncio.get_running_loop(), hello)
         self.session = session
         self.sessions_started += 1
         session.thread.start()
@@ -150,7 +159,8 @@ class DrafterServicer(ssd_pb2_grpc.DrafterServicer):
                                 "drafter/verifier mismatch: " + "; ".join(problems))
         session = await self._replace_session(first.hello)
         yield pb.DrafterMessage(ack=pb.HelloAck(protocol_version=codec.PROTOCOL_VERSION, pid=os.getpid(),
-                                                model=self.config.draft.path, device=str(self.runner.device)))
+                                                model=self.config.draft.path, device=str(self.runner.device),
+                                                strategy=session.strategy))
         reader = asyncio.create_task(self._read(it, session))
         try:
             while True:

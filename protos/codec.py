@@ -17,7 +17,15 @@ from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core.chat import ChatPrompt, Prompt
 from spec_core.config import SamplingParams
 from spec_core.estimators import STEP_TABLE_TOKENS
-from spec_core.speculation import BranchBundle, FreeEvent, OutcomeEvent, PrefillEvent, Speculation, SpeculationMsg
+from spec_core.speculation import (
+    BranchBundle,
+    ChainMsg,
+    FreeEvent,
+    OutcomeEvent,
+    PrefillEvent,
+    Speculation,
+    SpeculationMsg,
+)
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -267,6 +275,12 @@ def message_to_pb(msg: object) -> pb.DrafterMessage:
     if isinstance(msg, SpeculationMsg):
         return pb.DrafterMessage(jit=pb.JitSpeculation(request_id=msg.request_id, round=msg.round,
                                                        speculation=speculation_to_pb(msg.speculation)))
+    if isinstance(msg, ChainMsg):
+        if msg.speculation.parents is not None:
+            raise ValueError("a run-ahead chain update must be a chain, not a tree")
+        return pb.DrafterMessage(chain=pb.ChainUpdate(request_id=msg.request_id, round=msg.round, start=msg.start,
+                                                      speculation=speculation_to_pb(msg.speculation),
+                                                      busy_s=msg.busy_s))
     raise TypeError(f"not a drafter message: {type(msg).__name__}")
 
 
@@ -308,6 +322,12 @@ def message_from_pb(msg: pb.DrafterMessage, vocab_size: int) -> object:
     if kind == "jit":
         j = msg.jit
         return SpeculationMsg(j.request_id, j.round, speculation_from_pb(j.speculation, vocab_size))
+    if kind == "chain":
+        c = msg.chain
+        spec = speculation_from_pb(c.speculation, vocab_size)
+        if spec.parents is not None or c.start < 1:
+            raise ValueError(f"a chain update must be a chain starting past the prompt's first token (start {c.start})")
+        return ChainMsg(c.request_id, c.round, c.start, spec, c.busy_s)
     raise ValueError(f"unexpected drafter message {kind!r}")
 
 
@@ -319,9 +339,11 @@ def sampling_mode(saguaro_c: float, fanout_kind: str, tree: object = "chain") ->
 
 
 def make_hello(vocab_hash: str, vocab_size: int, k: int, budget: int, mode: str, backup: str = "ngram",
-               wait_fraction: float = 0.5) -> pb.Hello:
+               wait_fraction: float = 0.5, target_params: int = 0) -> pb.Hello:
+    """``target_params``: the target's weights read per decoded token, for the drafter's ``auto`` strategy."""
     return pb.Hello(protocol_version=PROTOCOL_VERSION, vocab_hash=vocab_hash, vocab_size=vocab_size, k=k,
-                    budget=budget, sampling_mode=mode, backup=backup, wait_fraction=wait_fraction)
+                    budget=budget, sampling_mode=mode, backup=backup, wait_fraction=wait_fraction,
+                    target_params=target_params)
 
 
 def backup_settings(hello: pb.Hello) -> tuple[str, float]:

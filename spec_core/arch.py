@@ -61,3 +61,13 @@ class ArchSpec:
             qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         )
+
+
+def decode_params(cfg: PretrainedConfig) -> int:
+    """The weights one decode step reads from an HF config: every layer's matrices and the output layer (the
+    embedding is only gathered from). Its ratio between two models is about the ratio of their step costs."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+    layer = 2 * h * q + 2 * h * kv + 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * layer + cfg.vocab_size * h

@@ -289,6 +289,23 @@ class TreeShape:
 SSD_DEFAULT_TREE = TreeShape(AUTO_TREE_CEILING, auto=True, lookup=True)
 
 
+#: The SSD drafter's strategies (``SSDConfig.strategy``).
+SSD_STRATEGIES = ("auto", "fanout", "run-ahead")
+#: ``auto`` runs ahead where the draft reads at least this share of the target's weights per decoded token
+#: (:func:`spec_core.arch.decode_params`): a decode step reads every weight once, so this is about the share of a
+#: target step that one draft step costs. At 0.32 (Qwen2.5-Coder 0.5B under 1.5B) a draft step measured 0.39 of
+#: a target step and a fan-out could not build one branch within a verify; at 0.13 (the default pair) it builds
+#: a dozen.
+RUN_AHEAD_WEIGHT_SHARE = 0.25
+
+
+def resolve_strategy(strategy: str, draft_params: int, target_params: int) -> str:
+    """``fanout`` or ``run-ahead``: ``strategy`` itself unless ``auto`` (then by the models' parameter counts)."""
+    if strategy != "auto":
+        return strategy
+    return "run-ahead" if draft_params >= RUN_AHEAD_WEIGHT_SHARE * target_params else "fanout"
+
+
 @dataclass(frozen=True, slots=True)
 class SSDConfig:
     """The SSD drafter: K tokens per speculation, the fan-out over outcomes, Saguaro's C and its KV pool."""
@@ -325,6 +342,13 @@ class SSDConfig:
     #: (many requests, a slow drafter). None always builds the full budget. An in-process (loopback) drafter,
     #: which builds inside the verifier's step, has nothing to fit and ignores it.
     fit_fanout: float | None = 1.0
+    #: How the drafter spends its time (:data:`SSD_STRATEGIES`): ``fanout`` pre-drafts a tree per likely outcome
+    #: of every round (:mod:`drafter_service.ssd_drafter`), ``run-ahead`` keeps one chain per request running
+    #: ahead of the verifier (:mod:`drafter_service.run_ahead`), ``auto`` picks run-ahead where the draft costs
+    #: too much for a fan-out (:func:`resolve_strategy`).
+    strategy: str = "auto"
+    #: Run-ahead only: how many tokens past the committed ones a chain may run (None: 2K + 1).
+    run_ahead_depth: int | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -338,6 +362,10 @@ class SSDConfig:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
         if self.fit_fanout is not None and not self.fit_fanout > 0:
             raise ValueError(f"fit_fanout must be > 0 or None, got {self.fit_fanout}")
+        if self.strategy not in SSD_STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(SSD_STRATEGIES)}, got {self.strategy!r}")
+        if self.run_ahead_depth is not None and not 1 <= self.run_ahead_depth <= 64:
+            raise ValueError(f"run_ahead_depth must be in [1, 64] or None, got {self.run_ahead_depth}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,19 @@ class SpeculationMsg:
 
 
 @dataclass(slots=True)
+class ChainMsg:
+    """Run-ahead drafting: the drafter's chain for a request from absolute position ``start`` on, drafted after it
+    had applied the outcome of ``round`` (-1: only the prompt); it continues the request's tokens before ``start``
+    as the drafter knew them then. ``busy_s``: the drafter's total forward seconds so far."""
+
+    request_id: str
+    round: int
+    start: int
+    speculation: Speculation
+    busy_s: float = 0.0
+
+
+@dataclass(slots=True)
 class BranchBundle:
     """Pre-drafted speculations for the outcomes of ``round``, keyed by ``(k, bonus)``, built assuming round
     ``round`` verifies ``base_tokens``."""

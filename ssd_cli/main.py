@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from spec_core.config import SAMPLING_RULES  # stdlib-only: the CLI's choices, before torch
+from spec_core.config import SAMPLING_RULES, SSD_STRATEGIES  # stdlib-only: the CLI's choices, before torch
 from spec_core.prompts import CHAT_SETS
 
 logger = logging.getLogger("ssd")
@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sd-k", type=int, default=None, help="K for the sd modes (default --k): each at its best K")
     b.add_argument("--budget", type=int, default=12, help="SSD fan-out budget (pre-drafted branches per request)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro down-weighting C in (0, 1]")
+    b.add_argument("--ssd-strategy", choices=SSD_STRATEGIES, default="auto",
+                   help="how the ssd modes' drafter drafts: fanout (a tree per likely outcome of every round), "
+                        "run-ahead (one chain per request, ahead of the verifier: for a draft that costs a large "
+                        "share of a target step), auto (run-ahead where the draft's weights are a quarter of the "
+                        "target's or more)")
     b.add_argument("--fixed-k", action="store_true",
                    help="the ssd modes speculate K tokens every round (default: adaptive K per step, down to 0, "
                         "from measured costs, as ssd serve does)")

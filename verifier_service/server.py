@@ -18,11 +18,13 @@ from protos.security import read_secret
 from protos.serving import ServerThread, add_health_and_reflection, set_health
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core import chat
+from spec_core.arch import decode_params
 from spec_core.chat import Prompt
 from spec_core.config import CacheConfig, ModelConfig, SpeculationConfig
 from spec_core.kv_budget import pool_blocks
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.run_ahead_proposer import RunAheadProposer
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.service import EngineLoop
 from verifier_service.servicer import SERVICE, GenerationServicer, add_generation_servicer
@@ -177,7 +179,8 @@ class VerifierServer:
     def hello(self) -> pb.Hello:
         sp = self.config.spec
         return codec.make_hello(self.vocab_hash, self.pair.target.vocab_size, sp.k, sp.budget,
-                                codec.sampling_mode(sp.saguaro_c, sp.fanout, sp.tree), sp.backup, sp.wait_fraction)
+                                codec.sampling_mode(sp.saguaro_c, sp.fanout, sp.tree), sp.backup, sp.wait_fraction,
+                                target_params=decode_params(self.pair.target.hf_config))
 
     def _build_engine(self, drafter_address: str | None) -> VerifierEngine:
         c, sp, cache = self.config, self.config.spec, self.config.cache
@@ -190,9 +193,11 @@ class VerifierServer:
                 raise ValueError("mode ssd needs a drafter address")
             self.link = GrpcDrafterLink(drafter_address, self.hello(), self.pair.target.vocab_size,
                                         tls=c.internal_tls, token=self._token)
-            proposer = SSDProposer(self.link, self.pair.target.vocab_size, backup=sp.backup,
-                                   wait_fraction=sp.wait_fraction, backup_policy=sp.backup_policy,
-                                   device=self.pair.target.device)
+            run_ahead = self.link.ack is not None and self.link.ack.strategy == "run-ahead"
+            kind = RunAheadProposer if run_ahead else SSDProposer
+            proposer = kind(self.link, self.pair.target.vocab_size, backup=sp.backup, wait_fraction=sp.wait_fraction,
+                            backup_policy=sp.backup_policy, device=self.pair.target.device)
+            logger.info("drafter strategy: %s", "run-ahead" if run_ahead else "fanout")
         elif sp.mode == "sd":
             from spec_core.draft_engine import BatchDrafter, DraftConfig
 
@@ -209,7 +214,7 @@ class VerifierServer:
         engine = VerifierEngine(target, EngineConfig(blocks, cache.block_size, sched, sampling=sp.sampling),
                                 drafter=proposer,
                                 k=sp.k if proposer is not None else 0)
-        if sp.adaptive_k and proposer is not None:
+        if sp.adaptive_k and proposer is not None and not isinstance(proposer, RunAheadProposer):
             from verifier_service.adaptive import AdaptiveK
 
             engine.adaptive = AdaptiveK(k_max=sp.k)

@@ -174,7 +174,7 @@ class StatsResponse(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_emitted: _Optional[int] = ..., rounds: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_tokens_per_round: _Optional[float] = ..., cache_hit_rate: _Optional[float] = ..., drafter_connected: _Optional[bool] = ..., stats: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode", "backup", "wait_fraction")
+    __slots__ = ("protocol_version", "vocab_hash", "vocab_size", "k", "budget", "sampling_mode", "backup", "wait_fraction", "target_params")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class Hello(_message.Message):
     SAMPLING_MODE_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     WAIT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PARAMS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     vocab_hash: str
     vocab_size: int
@@ -191,21 +192,24 @@ class Hello(_message.Message):
     sampling_mode: str
     backup: str
     wait_fraction: float
-    def __init__(self, protocol_version: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., sampling_mode: _Optional[str] = ..., backup: _Optional[str] = ..., wait_fraction: _Optional[float] = ...) -> None: ...
+    target_params: int
+    def __init__(self, protocol_version: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., k: _Optional[int] = ..., budget: _Optional[int] = ..., sampling_mode: _Optional[str] = ..., backup: _Optional[str] = ..., wait_fraction: _Optional[float] = ..., target_params: _Optional[int] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("protocol_version", "pid", "model", "device", "affinity")
+    __slots__ = ("protocol_version", "pid", "model", "device", "affinity", "strategy")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     pid: int
     model: str
     device: str
     affinity: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., affinity: _Optional[_Iterable[int]] = ...) -> None: ...
+    strategy: str
+    def __init__(self, protocol_version: _Optional[int] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., affinity: _Optional[_Iterable[int]] = ..., strategy: _Optional[str] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "coupled")
@@ -337,12 +341,28 @@ class JitSpeculation(_message.Message):
     speculation: Speculation
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
+class ChainUpdate(_message.Message):
+    __slots__ = ("request_id", "round", "start", "speculation", "busy_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    start: int
+    speculation: Speculation
+    busy_s: float
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., start: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., busy_s: _Optional[float] = ...) -> None: ...
+
 class DrafterMessage(_message.Message):
-    __slots__ = ("ack", "bundle", "jit")
+    __slots__ = ("ack", "bundle", "jit", "chain")
     ACK_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     JIT_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     ack: HelloAck
     bundle: Bundle
     jit: JitSpeculation
-    def __init__(self, ack: _Optional[_Union[HelloAck, _Mapping]] = ..., bundle: _Optional[_Union[Bundle, _Mapping]] = ..., jit: _Optional[_Union[JitSpeculation, _Mapping]] = ...) -> None: ...
+    chain: ChainUpdate
+    def __init__(self, ack: _Optional[_Union[HelloAck, _Mapping]] = ..., bundle: _Optional[_Union[Bundle, _Mapping]] = ..., jit: _Optional[_Union[JitSpeculation, _Mapping]] = ..., chain: _Optional[_Union[ChainUpdate, _Mapping]] = ...) -> None: ...
