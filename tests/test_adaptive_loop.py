@@ -34,7 +34,7 @@ def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     refs = greedy_outputs(target, prompts, 24)
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"),
                          max_num_seqs=2, adaptive_k=True)
     with LocalSSD(target, cfg) as ssd:
         # an injected cost model under which speculation does not pay: K drops to 0 (with periodic probes)
@@ -71,7 +71,7 @@ def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     refs = greedy_outputs(target, prompts, 40)
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2,
+    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=2,
                          backup="none", wait_fraction=50.0)
     with LocalSSD(target, cfg) as ssd:
         ssd.engine.adaptive = _ScriptedK(k=3, plain=5, spec=3)
@@ -95,7 +95,7 @@ def test_bench_concurrent_runs_keep_one_planner_and_restore_the_engines(tiny_mod
     refs = greedy_outputs(target, prompts, 16)
     pair = LoadedPair(target, None, tokenizer=None, eos_ids=())
     params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 2
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
+    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"),
                          max_num_seqs=2, adaptive_k=True)
     with LocalSSD(target, cfg) as ssd:
         own, planner = ssd.engine.adaptive, AdaptiveK(k_max=3)

@@ -172,7 +172,7 @@ def test_run_ahead_over_grpc_equals_target_greedy(toy_pair, greedy_reference) ->
                                                  spec=SpeculationConfig(k=2, adaptive_k=False)))
     try:
         address = server.start(drafter.address)
-        assert isinstance(server.engine.drafter, RunAheadProposer)
+        assert isinstance(server.engine_loop.engine.drafter, RunAheadProposer)
         with SSDClient(address) as client:
             out = client.generate_all(prompt, SamplingParams(max_new_tokens=32, ignore_eos=True))
         assert list(out.final.token_ids) == greedy_reference(prompt, 32)

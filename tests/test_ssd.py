@@ -56,7 +56,7 @@ def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
     drop = opts.pop("drop_cache", False)
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(4)
-    ssd_cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), drop_cache=drop)
+    ssd_cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), drop_cache=drop, strategy="fanout")
     outs, stats, _, _ = _run(target, LocalSSDConfig(str(tiny_models[draft]), ssd_cfg, max_num_seqs=4, **opts),
                              prompts, 24)
     assert outs == greedy_outputs(target, prompts, 24)
@@ -73,7 +73,7 @@ def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
 def test_concurrency_is_real(tiny_models):
     """200 ms per verify and 140 ms per drafter tree: overlapped rounds stay under 260 ms (serial ≥ 340 ms)."""
     target = ModelRunner(tiny_models["llama"])
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=1,
+    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=1,
                          verify_delay_s=0.2, tree_delay_s=0.14, wait_fraction=1.0)
     prompts = _prompts(1)
     outs, stats, info, engine = _run(target, cfg, prompts, 16)
@@ -98,7 +98,7 @@ def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
     reference = greedy_outputs(target, prompts, 24)
     got = {}
     for fraction in (0.5, 0.01):
-        cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6)),
+        cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6), strategy="fanout"),
                              max_num_seqs=1, verify_delay_s=0.2, tree_delay_s=0.21, backup_policy="fast",
                              wait_fraction=fraction)
         outs, stats, _, _ = _run(target, cfg, prompts, 24)
@@ -125,7 +125,7 @@ def test_prefill_and_free_in_one_batch_leaks_nothing(tiny_models):
         def send(self, msg):
             self.sent.append(msg)
 
-    drafter = SSDDrafter(ModelRunner(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4)))
+    drafter = SSDDrafter(ModelRunner(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4), strategy="fanout"))
     loop = DrafterLoop(drafter, Sink())
     params = SamplingParams(max_new_tokens=8)
     loop.handle([PrefillEvent("a", [1, 2, 3], params, 3), PrefillEvent("b", [4, 5], params, 3), FreeEvent("a")])
@@ -200,7 +200,7 @@ def test_local_drafter_killed_mid_stream_recovers(tiny_models):
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(2)
     ref = greedy_outputs(target, prompts, 48)
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=1,
+    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=1,
                          verify_delay_s=0.02, wait_fraction=1.0, restart_interval_s=0.2)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     with LocalSSD(target, cfg) as local:
