@@ -16,7 +16,7 @@ from benchmarks.modes import BATCHED_MODES, BENCH_MODES, ModeRunner
 from benchmarks.report import ModeRuns, build_report, concurrency_row, print_summary, skipped_row, summarise
 from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, TreeShape
 from spec_core.models import LoadedPair, set_threads
-from spec_core.prompts import CHAT_SETS, chat_prompts, humaneval_prompts, read_prompt_file
+from spec_core.prompts import CHAT_SETS, CODE_SET, chat_prompts, code_prompts, humaneval_prompts, read_prompt_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,8 @@ class BenchSettings:
     sweep: tuple[str, ...] = ()
     sd_k: int | None = None  # SD's own K (default: k), so each mode can run at its best K
     tree: str = str(SSD_DEFAULT_TREE)  # the ssd mode's candidate tree per outcome (ssd-chain: a chain)
-    prompt_set: str = "humaneval"  # or a chat set (spec_core.prompts.CHAT_SETS) through the target's chat template
+    #: humaneval, code (our held-out code set) or a chat set (spec_core.prompts.CHAT_SETS, through the chat template)
+    prompt_set: str = "humaneval"
     adaptive_k: bool = True  # the ssd modes choose K per step from measured costs, down to 0, as the service does
     #: Seed sampled requests. A seeded sampled request is reproducible, so its K stays fixed (adaptive K would
     #: change its tokens) and it waits for neural drafts: what a user who passes `seed` gets, not the default.
@@ -97,6 +98,8 @@ def _prompts(settings: BenchSettings, tokenizer=None) -> list[str]:
     if settings.prompt_set in CHAT_SETS:  # rendered to text, so every mode (the peers too) gets the same prompt
         return [tokenizer.apply_chat_template(p.as_list(), tokenize=False, add_generation_prompt=True)
                 for p in chat_prompts(settings.num_prompts, settings.prompt_set)]
+    if settings.prompt_set == CODE_SET:
+        return code_prompts(settings.num_prompts)
     return humaneval_prompts(settings.num_prompts)
 
 

