@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export RAY_AUTH_MODE := disabled
 
-.PHONY: install demo test lint bench-quick slow soak clean proto
+.PHONY: install demo test lint bench-quick slow soak clean proto llama-cpp draft-gguf
 
 $(BIN)/ssd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ lint: install
 
 proto: install
 	$(BIN)/python protos/gen.py
+
+# The peer for `ssd bench`: llama.cpp from the llama-cpp-python sdist, built into the model cache (~6 min on 2 cores).
+llama-cpp: install
+	$(BIN)/python -m benchmarks.llama_cpp_build
+
+# The default draft as a GGUF file with the target's tokenizer, for llama.cpp's own speculation (llama-cpp-spec).
+draft-gguf: install
+	$(BIN)/python -m spec_core.gguf_export
 
 bench-quick: install
 	$(BIN)/ssd bench --quick --out bench-quick.json
