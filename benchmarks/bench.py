@@ -131,6 +131,7 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
     for mode in modes:  # warm-up
         runner.run(mode, prompts[0], SamplingParams(max_new_tokens=4))
     runner.tune_assistant(prompts, settings)
+    runner.tune_llama_cpp_spec(prompts, settings)
     results = []
     for temp in settings.temperatures:
         runs = {m: ModeRuns.empty() for m in modes}
@@ -154,7 +155,8 @@ def _run_all(settings: BenchSettings, runner: ModeRunner, target: ModelConfig, d
                 reference = {(pi, rep): gen.generate(p, greedy, mode="ar").token_ids
                              for pi, p in enumerate(prompts) for rep in range(settings.repeats)}
         if 1 in settings.concurrency:
-            results.extend(summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m))
+            results.extend({**summarise(m, temp, runs[m], reference or None, runner.ssd_extra.get(m)),
+                            **runner.row_extra(m)}
                            if m in runs else skipped_row(m, temp, runner.skipped[m]) for m in settings.modes)
             if on_block is not None:
                 on_block(build_report(settings, target, draft, results, runner.assistant_tokens))

@@ -26,11 +26,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
-               "hf-generate-2t", "llama-cpp", "llama-cpp-2t")
+               "hf-generate-2t", "llama-cpp", "llama-cpp-2t", "llama-cpp-spec")
 #: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
 TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
-#: The peer, AR through llama-cpp-python on the target's GGUF (an optional extra), on 1 and on 2 threads.
+#: The peer, AR on the target's GGUF through llama-cpp-python (an optional extra) or else llama.cpp's
+#: llama-completion binary (`make llama-cpp`), on 1 and on 2 threads.
 LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
+#: The peer's own draft-model speculation, llama.cpp's binary on both cores (:mod:`benchmarks.llama_cpp_spec`).
+LLAMA_CPP_SPEC = "llama-cpp-spec"
 
 #: Modes that also run at concurrency > 1 (through the continuous-batching engine; ar-2t and sd-2t on both cores).
 BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "ar-2t", "sd-2t")
@@ -44,7 +47,7 @@ def runtime_of(mode: str) -> str:
     """Which runtime a mode runs on: ours (every AR, SD and SSD mode: the one verifier engine) or a peer's."""
     if mode.startswith("hf"):
         return "transformers"
-    if mode in LLAMA_CPP_MODES:
+    if mode in LLAMA_CPP_MODES or mode == LLAMA_CPP_SPEC:
         return "llama.cpp"
     return RUNTIME + (" over gRPC" if mode == "ssd-service" else "")
 
@@ -71,17 +74,8 @@ class ModeRunner:
         modes = set(settings.modes)
         #: modes that cannot run here, with the reason (reported as skipped rows)
         self.skipped: dict[str, str] = {}
-        self.llama_cpp = None
-        if modes & set(LLAMA_CPP_MODES):
-            from benchmarks.llama_cpp_mode import LlamaCppAR, target_gguf, unavailable_reason
-
-            reason = unavailable_reason(target.path)
-            if reason is None:
-                self.llama_cpp = LlamaCppAR(target_gguf(target.path))
-            else:
-                for m in modes & set(LLAMA_CPP_MODES):
-                    self.skipped[m] = reason
-                sys.stderr.write(f"bench: skipping {', '.join(sorted(modes & set(LLAMA_CPP_MODES)))}: {reason}\n")
+        self.llama_cpp = self._llama_cpp_ar(modes, target)
+        self.llama_cpp_spec = self._llama_cpp_spec_runner(modes, target, draft)
         if modes & {"hf-generate", "hf-generate-2t", "hf-assisted", "hf-assisted-tuned"}:
             from benchmarks.hf_baselines import HFGenerate
 
@@ -104,6 +98,41 @@ class ModeRunner:
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
         self.planners: dict[str, object] = {}
 
+    def _skip(self, modes: set[str], reason: str) -> None:
+        for m in modes:
+            self.skipped[m] = reason
+        sys.stderr.write(f"bench: skipping {', '.join(sorted(modes))}: {reason}\n")
+
+    def _llama_cpp_ar(self, modes: set[str], target: ModelConfig):
+        """The AR peer (llama-cpp-python, else llama.cpp's binary) when an llama-cpp AR mode is asked for."""
+        if not modes & set(LLAMA_CPP_MODES):
+            return None
+        from benchmarks.llama_cpp_mode import make_ar, unavailable_reason
+
+        reason = unavailable_reason(target.path)
+        if reason is None:
+            return make_ar(target.path)
+        self._skip(modes & set(LLAMA_CPP_MODES), reason)
+        return None
+
+    def _llama_cpp_spec_runner(self, modes: set[str], target: ModelConfig, draft: ModelConfig | None):
+        """llama.cpp's own speculation on the pair's GGUF files, when ``llama-cpp-spec`` is asked for."""
+        if LLAMA_CPP_SPEC not in modes:
+            return None
+        from benchmarks.llama_cpp_spec import from_paths, unavailable_reason
+
+        reason = unavailable_reason(target.path, draft.path if draft else None)
+        if reason is None:
+            return from_paths(target.path, draft.path)
+        self._skip({LLAMA_CPP_SPEC}, reason)
+        return None
+
+    def row_extra(self, mode: str) -> dict:
+        """What a peer's row ran beyond :func:`benchmarks.report.what_ran`: its binary or package and build,
+        and for ``llama-cpp-spec`` the n-max sweep, p-min and threads."""
+        peer = self.llama_cpp_spec if mode == LLAMA_CPP_SPEC else self.llama_cpp if mode in LLAMA_CPP_MODES else None
+        return {"llama_cpp": peer.record()} if peer is not None else {}
+
     def _local_ssd(self, mode: str, settings: BenchSettings, draft: ModelConfig):
         """A local two-process SSD for ``mode``, entered (closed by :meth:`close`)."""
         from cluster.local_ssd import LocalSSD, LocalSSDConfig
@@ -125,6 +154,12 @@ class ModeRunner:
             local.__exit__(None, None, None)
         if self.service is not None:
             self.service.close()
+
+    def tune_llama_cpp_spec(self, prompts: list[str], settings: BenchSettings) -> None:
+        """llama-cpp-spec: sweep its n-max on the first prompts (both cores, as its measured runs)."""
+        if self.llama_cpp_spec is not None:
+            with self.unpinned():
+                self.llama_cpp_spec.tune(prompts, settings.max_new_tokens, settings.ignore_eos)
 
     def tune_assistant(self, prompts: list[str], settings: BenchSettings) -> None:
         """hf-assisted-tuned: pick num_assistant_tokens in 1..8 by tokens/s on the first two prompts."""
@@ -185,6 +220,8 @@ class ModeRunner:
             return self._two_threads(TWO_THREAD_MODES[mode], prompt, params)
         if mode in LLAMA_CPP_MODES:
             return self._llama_cpp(mode, prompt, params)
+        if mode == LLAMA_CPP_SPEC:
+            return self._llama_cpp_spec(prompt, params)
         if mode == "ssd-service":
             self.service.configure(adaptive=False)
             with self.unpinned():
@@ -228,9 +265,26 @@ class ModeRunner:
         ids = self.gen.encode(prompt)
         ctx = self.unpinned() if threads > 1 else contextlib.nullcontext()
         with ctx:
-            tokens, stats, ttft, times = self.llama_cpp.generate(ids, params, self.gen.pair.eos_ids, threads)
+            if self.llama_cpp.takes_text:
+                (stats, ttft), tokens, times = self.llama_cpp.generate(prompt, params, threads), [], []
+            else:
+                tokens, stats, ttft, times = self.llama_cpp.generate(ids, params, self.gen.pair.eos_ids, threads)
         return GenerationResult(mode=mode, prompt_token_ids=ids, token_ids=tokens, text="", finish_reason=None,
                                 stats=stats, ttft_s=ttft, emit_times=times)
+
+    def _llama_cpp_spec(self, prompt: str, params: SamplingParams) -> GenerationResult:
+        """One request through llama.cpp's speculation on both cores; its text output is not compared."""
+        from benchmarks.llama_cpp_spec import spec_stats
+
+        ids = self.gen.encode(prompt)
+        with self.unpinned():
+            timings = self.llama_cpp_spec.generate(prompt, params)
+        if timings.prompt_tokens != len(ids):
+            logger.info("llama-cpp-spec: llama.cpp tokenized the prompt to %d tokens, ours to %d",
+                        timings.prompt_tokens, len(ids))
+        stats, ttft = spec_stats(timings)
+        return GenerationResult(mode=LLAMA_CPP_SPEC, prompt_token_ids=ids, token_ids=[], text="", finish_reason=None,
+                                stats=stats, ttft_s=ttft, emit_times=[])
 
     def _hf(self, mode: str, prompt: str, params: SamplingParams) -> GenerationResult:
         ids = self.gen.encode(prompt)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from benchmarks.modes import LLAMA_CPP_MODES, TWO_THREAD_MODES, is_ar, runtime_of
+from benchmarks.modes import LLAMA_CPP_MODES, LLAMA_CPP_SPEC, TWO_THREAD_MODES, is_ar, runtime_of
 from spec_core.config import ModelConfig
 from spec_core.metrics import DecodeStats
 from verifier_service.api import RUNTIME, GenerationResult
@@ -61,6 +61,7 @@ class ModeRuns:
     per_run_tps: dict[tuple[int, int], float]
     ttfts: list[float]
     itls: list[float]
+    #: token ids by run; none for a peer's binary, which prints text (its greedy output is not compared)
     outputs: dict[tuple[int, int], list[int]]
 
     @staticmethod
@@ -74,15 +75,18 @@ class ModeRuns:
             self.per_run_tps[key] = result.stats.tokens_per_s
         self.ttfts.append(result.ttft_s)
         self.itls.extend(_itls(result))
-        self.outputs[key] = result.token_ids
+        if result.token_ids:
+            self.outputs[key] = result.token_ids
 
 
 def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int, int], list[int]] | None,
               ssd_extra: list[dict] | None = None) -> dict:
     s = runs.stats
     matches = None
-    if temp == 0 and reference is not None:
+    if temp == 0 and reference is not None and runs.outputs:
         matches = all(runs.outputs[key] == reference[key] for key in runs.outputs)
+    # llama.cpp's speculation reports totals only: no per-round time split, per-position acceptance or plain rounds
+    split = not is_ar(mode) and mode != LLAMA_CPP_SPEC
     tps = list(runs.per_run_tps.values())
     return {
         "mode": mode,
@@ -99,11 +103,11 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         "itl_s_p99": percentile(runs.itls, 99),
         "mean_tokens_per_round": s.mean_tokens_per_round if not is_ar(mode) else 1.0,
         # rounds decoded without speculating (adaptive K = 0: speculation did not pay), as a share of all rounds
-        "plain_round_fraction": s.plain_round_fraction if not is_ar(mode) else None,
+        "plain_round_fraction": s.plain_round_fraction if split else None,
         "batching": "batch 1" if mode.startswith(("hf", "llama")) else None,
-        "target_threads": 2 if mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 else None,
+        "target_threads": 2 if _two_threads(mode) else None,
         "acceptance_rate": s.acceptance_rate,
-        "acceptance_by_position": s.acceptance_by_position() if not is_ar(mode) else None,
+        "acceptance_by_position": s.acceptance_by_position() if split else None,
         "cache_hit_rate": mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
         "verifier_idle_fraction": mean([e["verifier_idle_fraction"] for e in ssd_extra or []
                                         if e["verifier_idle_fraction"] is not None]),
@@ -127,13 +131,18 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         # run-ahead: the share of the decode the drafter spent in its forwards
         "drafter_busy_fraction": mean([e["drafter_busy_fraction"] for e in ssd_extra or []
                                        if e.get("drafter_busy_fraction") is not None]),
-        "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds else None,
-        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and not is_ar(mode) else None,
+        "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds and mode != LLAMA_CPP_SPEC else None,
+        "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and split else None,
         "num_runs": len(tps),
         "num_generated": s.num_generated,
         "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def _two_threads(mode: str) -> bool:
+    """Whether a single-process row ran its target on 2 threads."""
+    return mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 or mode == LLAMA_CPP_SPEC
 
 
 def skipped_row(mode: str, temp: float, reason: str) -> dict:
@@ -169,11 +178,12 @@ def what_ran(mode: str, settings: BenchSettings, target: ModelConfig, draft: Mod
 
     base = TWO_THREAD_MODES.get(mode, mode)
     ours = runtime_of(mode).startswith(RUNTIME)
-    speculates = base in ("sd", "ssd-service", *LOCAL_SSD_MODES) or mode.startswith("hf-assisted")
-    two = mode in TWO_THREAD_MODES or LLAMA_CPP_MODES.get(mode) == 2 or base in ("ssd-service", *LOCAL_SSD_MODES)
+    speculates = base in ("sd", "ssd-service", LLAMA_CPP_SPEC, *LOCAL_SSD_MODES) or mode.startswith("hf-assisted")
+    two = _two_threads(mode) or base in ("ssd-service", *LOCAL_SSD_MODES)
+    peer = "gguf" if runtime_of(mode) == "llama.cpp" else "float32"
     return {
-        "dtype": target.resolved_dtype if ours else "gguf" if mode in LLAMA_CPP_MODES else "float32",
-        "draft_dtype": (draft.resolved_dtype if ours else "float32") if speculates and draft is not None else None,
+        "dtype": target.resolved_dtype if ours else peer,
+        "draft_dtype": (draft.resolved_dtype if ours else peer) if speculates and draft is not None else None,
         "cores": 2 if two else settings.target_threads,
         "link": {"sd": "in-process", "ssd-service": "gRPC"}.get(base, "pipe" if base in LOCAL_SSD_MODES else None),
         "lending": settings.lend_cores if base in LOCAL_SSD_MODES else False,
