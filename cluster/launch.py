@@ -77,6 +77,8 @@ class PairConfig:
     draft_path: str
     k: int = 2
     budget: int = FanoutConfig().budget
+    #: How the drafter drafts (``SSDConfig.strategy``): auto, fanout or run-ahead.
+    ssd_strategy: str = "auto"
     saguaro_c: float = 1.0
     #: SSD's candidate tree per outcome: "chain" or WIDTHxLEVELS (:class:`spec_core.config.TreeShape`).
     tree: str = str(SSD_DEFAULT_TREE)
@@ -133,7 +135,7 @@ class PairConfig:
         """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials. On CPUs
         the draft's dtype follows the target's as it resolves there (an int4 target: an int4 draft), as locally."""
         ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
-                        tree=TreeShape.parse(self.tree))
+                        tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy)
         target = self.dtype if on_gpu or self.device not in ("auto", "cpu") else resolve_dtype(
             self.dtype, "cpu", self.target_path)
         draft = ModelConfig(self.draft_path, draft_dtype(target), self.device)

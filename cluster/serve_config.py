@@ -39,6 +39,7 @@ class ServeSettings(BaseModel):
     # speculation
     k: int = Field(2, ge=1)
     budget: int | None = Field(None, ge=1)
+    ssd_strategy: Literal["auto", "fanout", "run-ahead"] = "auto"
     saguaro_c: float = Field(1.0, gt=0, le=1)
     tree: str = str(SSD_DEFAULT_TREE)
     fixed_k: bool = False
@@ -101,7 +102,7 @@ class ServeSettings(BaseModel):
         absolute = lambda p: os.path.abspath(p) if p else None  # noqa: E731 - the actors may run elsewhere
         return PairConfig(
             self.target or pair["target"], self.draft or pair["draft"], k=self.k,
-            budget=self.budget or FanoutConfig().budget, saguaro_c=self.saguaro_c, tree=self.tree, dtype=self.dtype, host=self.host,
+            budget=self.budget or FanoutConfig().budget, ssd_strategy=self.ssd_strategy, saguaro_c=self.saguaro_c, tree=self.tree, dtype=self.dtype, host=self.host,
             port=self.port, max_num_seqs=self.max_num_seqs, max_queue=self.max_queue,
             use_gpu={"auto": None, "yes": True, "no": False}[self.gpu], strategy=self.strategy,
             gpu_fraction=self.gpu_fraction, device=self.device, kv_memory_fraction=self.kv_memory_fraction,

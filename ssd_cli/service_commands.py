@@ -49,6 +49,10 @@ def _add_serve(sub) -> None:
 def _add_serve_engine(s) -> None:
     s.add_argument("--k", type=int, help="lookahead K (default 2, the best measured on CPU)")
     s.add_argument("--budget", type=int, help="pre-drafted branches per request (fan-out budget)")
+    s.add_argument("--ssd-strategy", choices=["auto", "fanout", "run-ahead"],
+                   help="how the drafter drafts: fanout (a tree per likely outcome of every round), run-ahead (one "
+                        "chain per request, ahead of the verifier), auto (the default: run-ahead where the draft "
+                        "reads a quarter of the target's weights per token or more)")
     s.add_argument("--saguaro-c", type=float, help="Saguaro down-weighting C in (0, 1] (default 1)")
     s.add_argument("--tree", help="SSD's candidate tree per outcome: chain, or WIDTHxLEVELS (the draft's next "
                    f"WIDTH-1 choices beside the spine at its first LEVELS depths; default {SSD_DEFAULT_TREE})")
