@@ -19,10 +19,10 @@ MODES: tuple[str, ...] = ("ar", "sd", "ssd")
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "auto": "auto", "int8": "int8",
-           "int4": "int4", "w8a8": "w8a8"}
-#: Quantized formats (weight-only int8 and int4; w8a8 also quantizes the matrices' inputs): their weights are stored
-#: quantized; everything else computes in the given dtype.
-WEIGHT_ONLY = {"int8": "float32", "int4": "float32", "w8a8": "float32"}
+           "int4": "int4", "w8a8": "w8a8", "gguf": "gguf"}
+#: Quantized formats (weight-only int8 and int4; w8a8 also quantizes the matrices' inputs; gguf keeps a GGUF file's
+#: own formats): their weights are stored quantized; everything else computes in the given dtype.
+WEIGHT_ONLY = {"int8": "float32", "int4": "float32", "w8a8": "float32", "gguf": "float32"}
 
 
 def check_dtype(name: str) -> str:
@@ -69,6 +69,18 @@ def native_int4(path: str, device: str = "cpu") -> bool:
     return cpu_kernels.quant_gemm() is not None
 
 
+def native_gguf(path: str, device: str = "cpu") -> bool:
+    """Whether the model at ``path`` is a GGUF (or converted from one) whose every multiplied matrix is in a format
+    the compiled K-quant matmuls run, some of them K-quants (:func:`spec_core.gguf_weights.runs_natively`), and
+    ``device`` is a CPU where those kernels run."""
+    from spec_core import cpu_kernels
+    from spec_core.gguf_weights import native_types, runs_natively
+
+    if not str(device).startswith("cpu") or not runs_natively(native_types(str(path))):
+        return False
+    return cpu_kernels.kquant_gemm() is not None
+
+
 def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The compute dtype (activations, KV cache) for ``name``: ``int8`` and ``int4`` compute in fp32
     (:mod:`spec_core.quant`)."""
@@ -78,10 +90,11 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return getattr(torch, WEIGHT_ONLY.get(name, name))
 
 
-def draft_dtype(name: str, kernels: bool = True) -> str:
-    """The draft's dtype when a run asks for ``name``: for a weight format (int4, int8, w8a8), ``int4`` where the
-    compiled quantized matmuls run (``kernels``, and :func:`spec_core.cpu_kernels.quant_gemm`), else ``auto``;
-    otherwise ``name``.
+def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str:
+    """The draft's dtype when a run asks for ``name``: for a weight format (int4, int8, w8a8, gguf), ``int4`` where
+    the compiled quantized matmuls run (``kernels``, and :func:`spec_core.cpu_kernels.quant_gemm`), else ``auto``;
+    otherwise ``name``. Under ``gguf``, a draft at ``path`` that runs in its own formats (:func:`native_gguf`) runs
+    as ``gguf`` too.
 
     On an int4 target the draft in int4 accepts as the draft in float does and costs a fraction of it: smollm2-draft
     on 4 HumanEval prompts x 64 greedy tokens at K = 3 accepted 0.27 against bf16's 0.28 (6 chat prompts: 0.19
@@ -93,6 +106,9 @@ def draft_dtype(name: str, kernels: bool = True) -> str:
     if name not in WEIGHT_ONLY:
         return name
     from spec_core import cpu_kernels
+
+    if name == "gguf" and kernels and path is not None and native_gguf(str(path)):
+        return "gguf"
 
     return "int4" if kernels and cpu_kernels.quant_gemm() is not None else "auto"
 

@@ -35,16 +35,18 @@ from pathlib import Path
 
 import torch
 
+from spec_core.kquant import KQuantWeight
 from spec_core.model_paths import cache_dir
 from spec_core.quant import RowW8A8Weight, matmul
 
 logger = logging.getLogger(__name__)
 
 #: The C sources of the one library: the decoder's small ops, quantized matmuls over activations quantized per row
-#: and block, and the decoder stack in one call over both.
-SOURCES = tuple(Path(__file__).parent / "kernels" / name for name in ("decode_ops.c", "quant_gemm.c", "decoder.c"))
+#: and block, the decoder stack in one call over both, and GGUF matrices in their own formats.
+SOURCES = tuple(Path(__file__).parent / "kernels" / name
+                for name in ("decode_ops.c", "quant_gemm.c", "decoder.c", "kquant_gemm.c"))
 #: Headers the sources include: part of the build's name, so an edit to one rebuilds.
-HEADERS = tuple(Path(__file__).parent / "kernels" / name for name in ("attention_simd.h",))
+HEADERS = tuple(Path(__file__).parent / "kernels" / name for name in ("attention_simd.h", "kquant_simd.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-pthread")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for
@@ -167,6 +169,66 @@ class QuantGemm:
         return y
 
 
+class KQuantGemm:
+    """``kernels/kquant_gemm.c``: GGUF matrices in their own formats (:class:`~spec_core.kquant.KQuantWeight`),
+    repacked from the file's blocks, multiplied with activations quantized per row and block of 32
+    (batch-invariant). ``x``: ``[rows, in]`` fp32, contiguous; the result ``[rows, out]`` fp32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._gemm, self._plain = lib.kq_gemm, lib.kq_gemm_plain
+        self._gemm.argtypes = [p, p, p, p, i, i, i, i, i]
+        self._plain.argtypes = [p, p, p, p, i, i, i, i]
+        self._pack, self._strip_bytes, self._dequant = lib.kq_pack_matrix, lib.kq_strip_bytes, lib.kq_dequant_rows
+        self._pack.argtypes = [i, p, i, i, i, p, i]
+        self._strip_bytes.argtypes = [i, i]
+        self._dequant.argtypes = [i, p, i, p, i, i, p]
+        for f in (self._gemm, self._plain, self._pack):
+            f.restype = ctypes.c_int
+        self._strip_bytes.restype = ctypes.c_int64
+        self._dequant.restype = None
+        lib.kq_simd.restype = ctypes.c_int
+        #: 2: AVX-512 VNNI, 1: AVX2, 0: the plain-C loops.
+        self.simd = lib.kq_simd()
+
+    def __call__(self, x: torch.Tensor, w) -> torch.Tensor:
+        """On :func:`gemm_threads` threads (the split over outputs changes no result)."""
+        y = x.new_empty(x.shape[0], w.out_features)
+        rc = self._gemm(x.data_ptr(), w.packed.data_ptr(), w.strips.data_ptr(), y.data_ptr(), x.shape[0],
+                        w.in_features, w.strips.shape[0], w.out_features, gemm_threads())
+        if rc != 0:
+            raise MemoryError("the K-quant matmul could not allocate its buffers")
+        return y
+
+    def plain(self, x: torch.Tensor, w) -> torch.Tensor:
+        """The same product through the plain-C loops, on this thread (what the SIMD forms must equal)."""
+        y = x.new_empty(x.shape[0], w.out_features)
+        if self._plain(x.data_ptr(), w.packed.data_ptr(), w.strips.data_ptr(), y.data_ptr(), x.shape[0],
+                       w.in_features, w.strips.shape[0], w.out_features) != 0:
+            raise MemoryError("the K-quant matmul could not allocate its buffers")
+        return y
+
+    def strip_bytes(self, fmt: int, k: int) -> int:
+        """Bytes of one packed strip of 16 outputs over ``k`` inputs (-1: not a multiple of the format's block)."""
+        return self._strip_bytes(fmt, k)
+
+    def pack(self, fmt: int, raw, k: int) -> torch.Tensor:
+        """A GGUF matrix's rows (``raw``: uint8 ``[out, row bytes]``, a C-contiguous numpy array, such as a view of
+        the file) as packed strips."""
+        size = self.strip_bytes(fmt, k)
+        out = torch.empty(-(-raw.shape[0] // 16) * size, dtype=torch.uint8)
+        if size < 0 or self._pack(fmt, raw.ctypes.data, raw.shape[1], raw.shape[0], k, out.data_ptr(),
+                                  torch.get_num_threads()) != 0:
+            raise ValueError(f"cannot pack a {raw.shape[0]} x {k} matrix of {raw.shape[1]}-byte rows as format {fmt}")
+        return out
+
+    def dequant_rows(self, fmt: int, raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows ``ids`` (int64, contiguous) of a GGUF matrix in fp32, the file's values bit for bit."""
+        out = torch.empty(ids.numel(), k)
+        self._dequant(fmt, raw.data_ptr(), raw.shape[1], ids.data_ptr(), ids.numel(), k, out.data_ptr())
+        return out
+
+
 _gemm = threading.local()
 
 
@@ -209,6 +271,17 @@ def quant_gemm() -> QuantGemm | None:
 
 
 @functools.cache
+def kquant_gemm() -> KQuantGemm | None:
+    """The compiled K-quant matmuls where they were built with SIMD (AVX-512 VNNI, or AVX2 with FMA and F16C),
+    else None."""
+    lib = _library()
+    if lib is None:
+        return None
+    kernels = KQuantGemm(lib)
+    return kernels if kernels.simd else None
+
+
+@functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(build()))
@@ -227,10 +300,10 @@ def load(dtype: torch.dtype) -> DecodeKernels | None:
 
 
 class QMat(ctypes.Structure):
-    """``decoder.c``'s ``qmat``: one packed matrix (kind 0: w8a8, 1: q4)."""
+    """``decoder.c``'s ``qmat``: one packed matrix (kind 0: w8a8, 1: q4, 2: a GGUF matrix in its own formats)."""
 
     _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("kind", ctypes.c_int64), ("in_", ctypes.c_int64),
-                ("out", ctypes.c_int64)]
+                ("out", ctypes.c_int64), ("strips", ctypes.c_int64)]
 
 
 class QLayer(ctypes.Structure):
@@ -247,8 +320,11 @@ class FusedDecoder:
     def __init__(self, lib: ctypes.CDLL, layers) -> None:
         def mat(w) -> QMat:
             if isinstance(w, RowW8A8Weight):
-                return QMat(w.packed.data_ptr(), w.scale.data_ptr(), 0, w.in_features, w.out_features)
-            return QMat(w.codes.data_ptr(), w.scales.data_ptr(), 1, w.in_features, w.out_features)
+                return QMat(w.packed.data_ptr(), w.scale.data_ptr(), 0, w.in_features, w.out_features, 0)
+            if isinstance(w, KQuantWeight):
+                return QMat(w.packed.data_ptr(), w.strips.data_ptr(), 2, w.in_features, w.out_features,
+                            w.strips.shape[0])
+            return QMat(w.codes.data_ptr(), w.scales.data_ptr(), 1, w.in_features, w.out_features, 0)
 
         self._kept: list[torch.Tensor] = []  # contiguous fp32 copies where a vector is not already one
 
@@ -299,7 +375,7 @@ def run_paged(runner, cache, batch) -> torch.Tensor:
     if batch.lengths is not None:  # ragged rows: only the real tokens go through (PagedBatch.lengths)
         real = (torch.arange(t)[None, :] < batch.lengths[:, None]).reshape(-1).nonzero().reshape(-1)
         ids, positions, write = ids[real], positions[real], write[real]
-    h = torch.nn.functional.embedding(ids, runner.embed)
+    h = runner.embed_tokens(ids)
     positions, write = positions.contiguous(), write.contiguous()
     if runner.fused is not None:
         runner.fused.run(runner, cache, batch, h, positions, write)

@@ -133,27 +133,29 @@ def dequantized_state_dict(reader, desc: str = "dequantize") -> dict[str, np.nda
     return out
 
 
-def _next_step(bar, label: str | None) -> None:
-    """Mark the current conversion step done and name the next one."""
-    bar.update(1)
-    if label:
-        bar.set_postfix_str(label)
-
-
-def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
-    """Write the HF folder for ``gguf_path`` into ``out`` (which must be empty).
-
-    A progress bar (4 steps: weights, config, tokenizer, save; the weights with a bar of their own) goes to stderr
-    when stderr is a terminal; nothing is written to stdout."""
-    import torch
-    from safetensors.torch import save_file
+def _write_folder(gguf_path: Path, out: Path, digest: str, weights: bool = True) -> None:
+    """Write the HF folder for ``gguf_path`` into ``out`` (which must be empty): config, tokenizer, generation
+    config and source record, then (``weights``) the fp32 weights. A progress bar goes to stderr when stderr is a
+    terminal; nothing is written to stdout."""
     from tqdm import tqdm
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = open_gguf(gguf_path)
-    bar = tqdm(total=4, desc=f"convert {gguf_path.name}", unit="step", disable=None, postfix="weights")
-    weights = dequantized_state_dict(reader)
-    _next_step(bar, "config")
+    steps = ["config", "tokenizer"] + (["weights"] if weights else [])
+    bar = tqdm(total=len(steps), desc=f"convert {gguf_path.name}", unit="step", disable=None, postfix=steps[0])
+    _write_metadata(reader, gguf_path, out, digest, bar)
+    if weights:
+        _write_weights(reader, out, digest)
+        bar.update(1)
+    bar.close()
+
+
+def _write_metadata(reader, gguf_path: Path, out: Path, digest: str, bar) -> None:
+    """The folder's config (from the GGUF's header, through transformers' reader), tokenizer, generation config and
+    source record: everything but the weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from spec_core.gguf_weights import kquant_types
+
     src_dir, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     for attr in ("quantization_config", "_name_or_path"):
@@ -162,11 +164,10 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
     key_length = _field(reader, f"{architecture(reader)}.attention.key_length")
     if key_length is not None:  # transformers' reader leaves Qwen3's head_dim at its default
         config.head_dim = int(key_length)
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
     config.dtype = "float32"
     config.save_pretrained(out)
-    _next_step(bar, "tokenizer")
+    bar.update(1)
+    bar.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     template = _field(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
@@ -175,14 +176,29 @@ def _write_folder(gguf_path: Path, out: Path, digest: str) -> None:
     eos = [i for i in {config.eos_token_id, tokenizer.eos_token_id} if i is not None]
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else sorted(eos),
                      pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
-    _next_step(bar, "save")
-    save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", "gguf_sha256": digest})
     (out / SOURCE_RECORD).write_text(json.dumps({"file": gguf_path.name, "path": str(Path(gguf_path).resolve()),
                                                  "sha256": digest, "architecture": architecture(reader),
-                                                 "matrix_types": matrix_types(reader)}, indent=1) + "\n")
-    _next_step(bar, None)
-    bar.close()
+                                                 "matrix_types": matrix_types(reader),
+                                                 "kquant_types": kquant_types(reader)}, indent=1) + "\n")
+    bar.update(1)
+    bar.set_postfix_str("weights")
+
+
+def _write_weights(reader, out: Path, digest: str) -> None:
+    """The fp32 weights (``model.safetensors``) into a folder that has its config, written atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = dequantized_state_dict(reader)
+    if json.loads((out / "config.json").read_text()).get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    tmp = out / f".model.safetensors.{os.getpid()}"
+    try:
+        save_file({k: torch.from_numpy(np.array(v)) for k, v in weights.items()}, str(tmp),
+                  metadata={"format": "pt", "gguf_sha256": digest})
+        os.replace(tmp, out / "model.safetensors")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def matrix_types(reader) -> dict[str, int]:
@@ -221,9 +237,10 @@ def native_format(path: str) -> str | None:
     return _FORMATS.get(max(types, key=types.get)) if types else None
 
 
-def converted_ok(folder: Path, digest: str) -> bool:
+def converted_ok(folder: Path, digest: str, weights: bool = True) -> bool:
+    """Whether ``folder`` holds the conversion of the file with this digest (with its fp32 weights, or without)."""
     rec = folder / SOURCE_RECORD
-    if not rec.is_file() or not (folder / "model.safetensors").is_file():
+    if not rec.is_file() or (weights and not (folder / "model.safetensors").is_file()):
         return False
     try:
         return json.loads(rec.read_text()).get("sha256") == digest
@@ -232,11 +249,12 @@ def converted_ok(folder: Path, digest: str) -> bool:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None,
-                 expected_sha256: str | None = None) -> Path:
+                 expected_sha256: str | None = None, weights: bool = True) -> Path:
     """Convert ``gguf_path`` into the HF folder ``out_dir`` (atomically), unless it already holds this file.
 
     ``out_dir`` defaults to the cache folder for this file's content. ``expected_sha256`` checks the file first
-    (a mismatch is a ``ModelLoadError``).
+    (a mismatch is a ``ModelLoadError``). ``weights=False`` writes everything but the fp32 weights (seconds, not
+    minutes); a later call that needs them adds them to the same folder.
     """
     from spec_core.model_paths import gguf_cache_folder
 
@@ -247,13 +265,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path | None = None,
     if expected_sha256 is not None and digest != expected_sha256:
         raise ModelLoadError(f"{src}: sha256 {digest} does not match the expected {expected_sha256}")
     out = Path(out_dir) if out_dir is not None else gguf_cache_folder(src, digest)
-    if converted_ok(out, digest):
+    if converted_ok(out, digest, weights):
+        return out
+    if weights and converted_ok(out, digest, weights=False):
+        logger.info("writing the fp32 weights of %s into %s", src, out)
+        _write_weights(open_gguf(src), out, digest)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         logger.info("converting %s -> %s", src, out)
-        _write_folder(src, tmp, digest)
+        _write_folder(src, tmp, digest, weights)
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)

@@ -106,9 +106,18 @@ def check_model_dir(path: str | Path) -> Path:
         return p
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"not a Hugging Face model folder (no config.json): {p}")
-    if not any(p.glob("*.safetensors")):
+    if not any(p.glob("*.safetensors")) and _gguf_record_source(p) is None:
         raise ModelLoadError(f"no .safetensors weights in {p}")
     return p
+
+
+def _gguf_record_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder's record names, where it is still there (its weights can be rebuilt)."""
+    rec = folder / "gguf_source.json"
+    if not rec.is_file():
+        return None
+    source = Path(json.loads(rec.read_text()).get("path", ""))
+    return source if source.is_file() else None
 
 
 def gguf_cache_folder(gguf_path: str | Path, digest: str) -> Path:
@@ -133,26 +142,33 @@ def model_name(path: str | Path) -> str:
     return re.sub(r"\.(?:I?Q\d\w*|BF16|F16|F32)$", "", p.name[:-len(".gguf")], flags=re.I) if is_gguf(p) else p.name
 
 
-def resolve_model(path: str | Path) -> Path:
+def resolve_model(path: str | Path, weights: bool = True) -> Path:
     """An HF folder for ``path``: folders as they are; a ``.gguf`` file converted once into the cache; a packed
-    folder unpacked once into the cache."""
+    folder unpacked once into the cache. ``weights=False``: a GGUF's folder needs only its config and tokenizer
+    (a runner that reads the file's own blocks, or a tokenizer), and its fp32 weights are written only when a later
+    call needs them."""
     p = check_model_dir(path)
     if is_packed(p):
         from spec_core.model_assets import unpack
 
         return unpack(p)
     if not is_gguf(p):
+        source = _gguf_record_source(p) if weights and not any(p.glob("*.safetensors")) else None
+        if source is not None:  # a folder converted without its weights
+            from spec_core.gguf_checkpoint import convert_gguf
+
+            return convert_gguf(source, p)
         return p
     st = p.resolve().stat()
-    return _converted(str(p.resolve()), st.st_size, st.st_mtime_ns)
+    return _converted(str(p.resolve()), st.st_size, st.st_mtime_ns, weights)
 
 
 @functools.lru_cache(maxsize=16)
-def _converted(path: str, size: int, mtime_ns: int) -> Path:
+def _converted(path: str, size: int, mtime_ns: int, weights: bool) -> Path:
     """The converted folder of one GGUF file version (hashed once per process, not once per loader)."""
     from spec_core.gguf_checkpoint import convert_gguf
 
-    return convert_gguf(path)
+    return convert_gguf(path, weights=weights)
 
 
 def load_safetensors_dir(path: Path) -> dict:

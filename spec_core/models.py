@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(resolve_model(path)))
+        return AutoTokenizer.from_pretrained(str(resolve_model(path, weights=False)))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load tokenizer from {path}: {exc}") from exc
 
@@ -86,7 +86,7 @@ def load_pair(target: ModelConfig, draft: ModelConfig | None) -> LoadedPair:
     d_runner = None
     if draft is not None:
         d_runner = load_runner(draft, reference=False)
-        d_dir = resolve_model(draft.path)
+        d_dir = resolve_model(draft.path, weights=False)
         d_tok = load_tokenizer(d_dir) if (d_dir / "tokenizer_config.json").exists() else tokenizer
         check_vocab(t_runner, d_runner, tokenizer, d_tok)
     logger.info("loaded target %s (%s)%s", target.path, target.dtype, f" and draft {draft.path}" if draft else "")

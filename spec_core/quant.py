@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spec_core.kquant import KQuantWeight
+
 #: The kernel's input dtype: its CPU path is vectorised for bf16 inputs (fp32 inputs take a ~10x slower path).
 KERNEL_INPUT_DTYPE = torch.bfloat16
 
@@ -344,7 +346,7 @@ class Observed:
 
 
 Weight = (torch.Tensor | LinearWeight | PackedLinear | Int8Weight | Int4Weight | W8A8Weight | RowW8A8Weight
-          | RowInt4Weight | Observed)
+          | RowInt4Weight | KQuantWeight | Observed)
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -364,7 +366,7 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if bias is not None:
         return matmul(x, w) + bias
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if isinstance(w, (RowW8A8Weight, RowInt4Weight)):
+    if isinstance(w, (RowW8A8Weight, RowInt4Weight, KQuantWeight)):
         y = w.gemm(flat.float().contiguous(), w)
     elif isinstance(w, W8A8Weight):
         y = _linear_dynamic(flat.float(), w.packed, w8a8_reduce_range())
@@ -392,6 +394,7 @@ def quantize(w: Weight, fmt: str, kernels=None) -> Int8Weight | Int4Weight | Row
 
 
 def nbytes(t: Weight) -> int:
-    if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear, W8A8Weight, RowW8A8Weight, RowInt4Weight)):
+    if isinstance(t, (Int8Weight, Int4Weight, LinearWeight, PackedLinear, W8A8Weight, RowW8A8Weight, RowInt4Weight,
+                      KQuantWeight)):
         return t.nbytes
     return t.numel() * t.element_size()

@@ -19,9 +19,11 @@ over the full vocabulary with ``-inf`` outside the map, so the proposal q is exa
 
 Weight formats. ``weights="int8"`` or ``"int4"`` stores every weight matrix (and the LM head) in that weight-only
 format (:mod:`spec_core.quant`); the rest computes in ``dtype``. ``weights="w8a8"`` quantizes activations too, after a
-calibration pass at load (:mod:`spec_core.w8a8`).
+calibration pass at load (:mod:`spec_core.w8a8`). ``weights="gguf"`` reads a GGUF's matrices in the file's own
+formats, exactly (:mod:`spec_core.kquant`), with no fp32 copy.
 
-A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`).
+A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`):
+its config and tokenizer, and its weights in fp32 unless the runner reads the file's own blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig
 
-from spec_core import cpu_kernels
+from spec_core import cpu_kernels, kquant
 from spec_core.arch import ArchSpec, load_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
@@ -89,11 +91,14 @@ class Layer:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         take = w.pop
 
-        def dense(t: torch.Tensor):
-            return dense_layout(place(t))
+        def dense(t: torch.Tensor | kquant.KQuantWeight):
+            return t if isinstance(t, kquant.KQuantWeight) else dense_layout(place(t))
 
-        self.qkv = dense(torch.cat([take(f"{a}.q_proj.weight"), take(f"{a}.k_proj.weight"),
-                                    take(f"{a}.v_proj.weight")]))
+        def cat(*names: str) -> torch.Tensor | kquant.KQuantWeight:
+            parts = [take(n) for n in names]
+            return kquant.concat(parts) if isinstance(parts[0], kquant.KQuantWeight) else torch.cat(parts)
+
+        self.qkv = dense(cat(f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"))
         self.qkv_bias = (
             place(torch.cat([take(f"{a}.q_proj.bias"), take(f"{a}.k_proj.bias"), take(f"{a}.v_proj.bias")]))
             if spec.qkv_bias else None
@@ -102,7 +107,7 @@ class Layer:
         q_norm, k_norm = w.pop(f"{a}.q_norm.weight", None), w.pop(f"{a}.k_norm.weight", None)
         self.q_norm = norm(place(q_norm)) if q_norm is not None else None
         self.k_norm = norm(place(k_norm)) if k_norm is not None else None
-        self.gate_up = dense(torch.cat([take(f"{m}.gate_proj.weight"), take(f"{m}.up_proj.weight")]))
+        self.gate_up = dense(cat(f"{m}.gate_proj.weight", f"{m}.up_proj.weight"))
         self.down = dense(take(f"{m}.down_proj.weight"))
         self.ln_attn = norm(place(take(f"{prefix}.input_layernorm.weight")))
         self.ln_mlp = norm(place(take(f"{prefix}.post_attention_layernorm.weight")))
@@ -131,9 +136,9 @@ class ModelRunner:
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  weights: str | None = None, pad_rows: bool = True, kernels: bool = True,
                  reference: bool = True) -> None:
-        if weights not in (None, "int8", "int4", "w8a8"):
+        if weights not in (None, "int8", "int4", "w8a8", "gguf"):
             raise ValueError(f"unknown weight format {weights!r}")
-        path = resolve_model(path)
+        path = resolve_model(path, weights=weights != "gguf")
         self.weights = weights
         self.path = path
         self.hf_config = AutoConfig.from_pretrained(str(path))
@@ -142,12 +147,13 @@ class ModelRunner:
         self.device = torch.device(device)
         # Layer by layer from the host checkpoint straight to the device (and quantized there, if asked), so the
         # device's peak stays near the final weights' size.
-        raw = load_safetensors_dir(path)
+        raw = self._read_weights(path, kernels)
 
         def place(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype)
 
-        self.embed = place(raw.pop("model.embed_tokens.weight"))
+        embed = raw.pop("model.embed_tokens.weight")
+        self.embed = embed if isinstance(embed, kquant.QuantEmbedding) else place(embed)
         self.lm_head = self._head(raw, place)
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
         #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement. A
@@ -184,7 +190,7 @@ class ModelRunner:
         #: (every matrix the compiled kernels', and their attention for forwards of any length): SD and SSD then
         #: equal this runner's own AR token for token, as they equal transformers' in fp32.
         self.batch_invariant = self.kernels is not None and all(
-            isinstance(m, (RowW8A8Weight, RowInt4Weight)) for m in self.weight_matrices())
+            isinstance(m, (RowW8A8Weight, RowInt4Weight, kquant.KQuantWeight)) for m in self.weight_matrices())
         #: Every layer in one compiled call per forward (:class:`cpu_kernels.FusedDecoder`), where it applies.
         self.fused = cpu_kernels.fused_decoder(self)
 
@@ -194,16 +200,42 @@ class ModelRunner:
         elsewhere nothing changes. The engine holds it over a step's forward and verification."""
         return cpu_kernels.torch_ops_on_one_thread() if self.batch_invariant else contextlib.nullcontext()
 
-    def _head(self, raw: dict[str, torch.Tensor], place) -> Weight:
+    def _read_weights(self, path: Path, kernels: bool) -> dict:
+        """The checkpoint's tensors: the fp32 folder's, or under ``weights="gguf"`` the GGUF's own blocks
+        (:mod:`spec_core.gguf_weights`), which only the compiled CPU kernels multiply."""
+        if self.weights != "gguf":
+            return load_safetensors_dir(path)
+        from spec_core import gguf_weights
+
+        gemm = cpu_kernels.kquant_gemm() if self.device.type == "cpu" and kernels else None
+        if gemm is None:
+            raise ValueError("dtype gguf runs on CPUs, through the compiled CPU kernels (x86 with AVX-512 VNNI, or "
+                             "AVX2, FMA and F16C, and a C compiler); use int4 or float32 here")
+        return gguf_weights.load_tensors(path, gemm)
+
+    def _head(self, raw: dict, place) -> Weight:
         """The LM head (the embedding where tied), cut to the draft's token map where it has one."""
         head_raw = raw.pop("lm_head.weight", None)
         self.token_map = load_token_map(self.path, self.spec.vocab_size)
         if self.token_map is not None:
             self.token_map = self.token_map.to(self.device)
-        head = self.embed if self.spec.tie_embeddings or head_raw is None else place(head_raw)
+        head = self.embed if self.spec.tie_embeddings or head_raw is None else head_raw
+        if isinstance(head, kquant.QuantEmbedding):
+            head = head.as_matrix()
+        if isinstance(head, kquant.KQuantWeight):
+            if self.token_map is not None:
+                raise ValueError("dtype gguf does not cut an output layer to a token map; use int4 for this draft")
+            return head
+        head = head if head is self.embed else place(head)
         if self.token_map is not None:
             head = head[self.token_map]
         return dense_layout(head)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``ids`` (any shape), ``[*ids.shape, hidden]`` in the compute dtype."""
+        if isinstance(self.embed, kquant.QuantEmbedding):
+            return self.embed.lookup(ids)
+        return F.embedding(ids, self.embed)
 
     def _cpu_fast_paths(self, pad_rows: bool, kernels: bool, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Row padding and the compiled small ops: CPU runners other than the fp32 exactness reference, unless
@@ -260,8 +292,8 @@ class ModelRunner:
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: the matrices, the norms and one embedding row."""
         norms = [n.weight for n in [self.norm] + [n for layer in self.layers for n in (layer.ln_attn, layer.ln_mlp)]]
-        tensors = self.weight_matrices() + norms + [self.embed[0]]
-        return sum(nbytes(t) for t in tensors)
+        row = self.embed.row_nbytes if isinstance(self.embed, kquant.QuantEmbedding) else nbytes(self.embed[0])
+        return sum(nbytes(t) for t in self.weight_matrices() + norms) + row
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.spec, num_blocks, block_size, self.dtype, self.device)
@@ -355,7 +387,7 @@ class ModelRunner:
         heads, kv_heads = spec.num_heads, spec.num_kv_heads
         mask4 = attn_mask[:, None] if attn_mask is not None else None
         cos, sin = self.cos[positions][:, :, None], self.sin_signed[positions][:, :, None]  # [B, T, 1, D]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         for li, layer in enumerate(self.layers):
             qkv = matmul(layer.ln_attn(h), layer.qkv, layer.qkv_bias).view(bsz, t, -1, spec.head_dim)
             if layer.q_norm is not None:

@@ -24,11 +24,14 @@ void w8a8_gemm(const float *x, const int8_t *w, const float *wscale, float *y, i
                int64_t threads);
 void q4_gemm(const float *x, const uint8_t *codes, const uint16_t *scales, float *y, int64_t rows, int64_t k,
              int64_t n, int64_t threads);
+int kq_gemm(const float *x, const uint8_t *w, const int64_t *strips, float *y, int64_t rows, int64_t k,
+            int64_t n_strips, int64_t n, int64_t threads);
 
-/* One packed matrix: kind 0 is w8a8 (w: int8 codes, s: fp32 scales), kind 1 is q4 (w: codes, s: fp16 d and m). */
+/* One packed matrix: kind 0 is w8a8 (w: int8 codes, s: fp32 scales), kind 1 is q4 (w: codes, s: fp16 d and m),
+ * kind 2 a GGUF matrix in its own formats (w: packed strips, s: the strip table of `strips` entries). */
 typedef struct {
     const void *w, *s;
-    int64_t kind, in, out;
+    int64_t kind, in, out, strips;
 } qmat;
 
 /* One layer's weights; qkv_bias may be NULL. Mirrors cpu_kernels.QLayer. */
@@ -37,11 +40,14 @@ typedef struct {
     qmat qkv, o, gate_up, down;
 } qlayer;
 
-static void mat_mul(const qmat *m, const float *x, float *y, int64_t rows, int64_t threads) {
+static int mat_mul(const qmat *m, const float *x, float *y, int64_t rows, int64_t threads) {
     if (m->kind == 0)
         w8a8_gemm(x, m->w, m->s, y, rows, m->in, m->out, threads);
-    else
+    else if (m->kind == 1)
         q4_gemm(x, m->w, m->s, y, rows, m->in, m->out, threads);
+    else
+        return kq_gemm(x, m->w, m->s, y, rows, m->in, m->strips, m->out, threads);
+    return 0;
 }
 
 static void add_rows(float *restrict h, const float *restrict y, int64_t n) {
@@ -66,22 +72,23 @@ int decoder_layers_f32(float *h, const qlayer *layers, int64_t n_layers, float e
     if (!buf) return -1;
     float *normed = buf, *wide_out = normed + n * hidden, *attn = wide_out + n * wide, *y = attn + n * H * D;
     float *act = y + n * hidden;
-    for (int64_t li = 0; li < n_layers; li++) {
+    int rc = 0;
+    for (int64_t li = 0; li < n_layers && rc == 0; li++) {
         const qlayer *l = layers + li;
         rms_norm_f32(h, l->ln_attn, normed, n, hidden, eps);
-        mat_mul(&l->qkv, normed, wide_out, n, threads);
+        rc |= mat_mul(&l->qkv, normed, wide_out, n, threads);
         if (l->qkv_bias)
             for (int64_t r = 0; r < n; r++) add_rows(wide_out + r * width, l->qkv_bias, width);
         rope_store_attend_f32(wide_out, cos, sin, pos, pool + li * pool_stride, write, kv, mask, lens, attn, B, T,
                               S, H, KVH, D);
-        mat_mul(&l->o, attn, y, n, threads);
+        rc |= mat_mul(&l->o, attn, y, n, threads);
         add_rows(h, y, n * hidden);
         rms_norm_f32(h, l->ln_mlp, normed, n, hidden, eps);
-        mat_mul(&l->gate_up, normed, wide_out, n, threads);
+        rc |= mat_mul(&l->gate_up, normed, wide_out, n, threads);
         silu_mul_f32(wide_out, act, n, ff);
-        mat_mul(&l->down, act, y, n, threads);
+        rc |= mat_mul(&l->down, act, y, n, threads);
         add_rows(h, y, n * hidden);
     }
     free(buf);
-    return 0;
+    return rc ? -1 : 0;
 }

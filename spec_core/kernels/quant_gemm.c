@@ -269,8 +269,9 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool.done, NULL);
 }
 
-/* fn over blocks [0, blocks), split into `threads` contiguous parts (fewer where there are fewer blocks). */
-static void run_blocks(task_fn fn, const void *job, int64_t blocks, int64_t threads) {
+/* fn over blocks [0, blocks), split into `threads` contiguous parts (fewer where there are fewer blocks); also
+ * kquant_gemm.c's. */
+void run_blocks(task_fn fn, const void *job, int64_t blocks, int64_t threads) {
     int parts = (int)(threads < blocks ? threads : blocks);
     if (parts > MAX_WORKERS + 1) parts = MAX_WORKERS + 1;
     if (parts <= 1) {

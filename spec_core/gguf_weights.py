@@ -1,0 +1,122 @@
+"""A GGUF's tensors read straight into the runner's formats (``--dtype gguf``), with no fp32 copy on disk or in
+memory: every layer matrix and the output layer repacked from the file's blocks (:mod:`spec_core.kquant`), the
+embedding kept in its blocks, norms and biases in fp32. Names and layout are those of the fp32 conversion
+(:mod:`spec_core.gguf_checkpoint`), so the runner builds its layers from either the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spec_core import kquant
+from spec_core.gguf_checkpoint import SOURCE_RECORD, SUPPORTED_ARCHITECTURES, hf_name, unpermute_rope
+from spec_core.gguf_header import read_header
+from spec_core.model_paths import ModelLoadError, is_gguf
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def gguf_source(path: str | Path) -> Path | None:
+    """The GGUF file behind ``path``: the file itself, or the one a converted folder's record names."""
+    p = Path(path)
+    if is_gguf(p) and p.is_file():
+        return p
+    rec = p / SOURCE_RECORD
+    if rec.is_file():
+        source = Path(json.loads(rec.read_text()).get("path", ""))
+        return source if source.is_file() else None
+    return None
+
+
+def load_tensors(path: str | Path, kernels) -> dict[str, torch.Tensor | kquant.KQuantWeight | kquant.QuantEmbedding]:
+    """Every tensor of the GGUF behind ``path`` with transformers' names: matrices as
+    :class:`~spec_core.kquant.KQuantWeight` for ``kernels`` (:func:`spec_core.cpu_kernels.kquant_gemm`), the
+    embedding as a :class:`~spec_core.kquant.QuantEmbedding` (fp32 where its type is not one the kernels read),
+    vectors in fp32. ``ModelLoadError`` for a matrix in a type the kernels do not run."""
+    source = gguf_source(path)
+    if source is None:
+        raise ModelLoadError(f"dtype gguf reads a GGUF file's own blocks, and {path} is not (or not converted from) "
+                             "a GGUF file")
+    start = time.perf_counter()
+    reader = read_header(source)
+    arch = reader.fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    heads = int(reader.fields[f"{arch}.attention.head_count"])
+    kv_heads = int(reader.fields.get(f"{arch}.attention.head_count_kv") or heads)
+    out: dict = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        rope_heads = (heads if "q_proj" in name else kv_heads) if arch == "llama" and name.endswith(
+            ("q_proj.weight", "k_proj.weight")) else None
+        out[name] = _tensor(t, name, rope_heads, kernels)
+    logger.info("read %s in its own formats in %.1f s", source.name, time.perf_counter() - start)
+    return out
+
+
+def _tensor(t, name: str, rope_heads: int | None, kernels):
+    """One GGUF tensor in the runner's format (see :func:`load_tensors`)."""
+    from gguf import dequantize
+
+    type_name = t.tensor_type.name
+    if len(t.shape) != 2:
+        return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+    inp = int(t.shape[0])
+    rows = t.data if rope_heads is None else unpermute_rope(t.data, rope_heads)  # a permutation of whole rows
+    if name == EMBEDDING and type_name in kquant.FORMATS:  # a copy: the table outlives the file's mapping
+        return kquant.QuantEmbedding(torch.from_numpy(np.array(rows)), type_name, inp, kernels)
+    if name == EMBEDDING:
+        return torch.from_numpy(np.array(dequantize(rows, t.tensor_type), dtype=np.float32))
+    if type_name not in kquant.FORMATS:
+        raise ModelLoadError(f"dtype gguf runs {', '.join(kquant.FORMATS)} matrices, and {t.name} is {type_name}; "
+                             "use --dtype int4 or float32 for this file")
+    return kquant.pack(rows, type_name, inp, kernels)
+
+
+def kquant_types(reader) -> dict[str, int]:
+    """The storage types of the file's matrices that a forward multiplies (layers and the output layer, which is the
+    embedding where the file has none), by element count."""
+    names = {t.name for t in reader.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head):
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return counts
+
+
+def runs_natively(types: dict[str, int]) -> bool:
+    """Whether a file with these matrix types (:func:`kquant_types`) runs in its own formats: every one a format the
+    kernels read, and some in K-quants (files of Q4_0/Q4_1 matrices are ``int4``'s own)."""
+    return bool(types) and set(types) <= set(kquant.FORMATS) and bool({"Q4_K", "Q6_K"} & set(types))
+
+
+@functools.lru_cache(maxsize=64)
+def native_types(path: str) -> dict[str, int]:
+    """:func:`kquant_types` of the GGUF behind ``path`` (none for other models): from a converted folder's record,
+    where it notes them, else from the file (seconds: the reader parses the whole vocabulary), noted in the record
+    where there is one."""
+    p = Path(path)
+    rec = p / SOURCE_RECORD
+    record = json.loads(rec.read_text()) if rec.is_file() else None
+    if record is not None and "kquant_types" in record:
+        return record["kquant_types"]
+    source = gguf_source(p)
+    if source is None:
+        return {}
+    types = kquant_types(read_header(source))
+    if record is not None:
+        tmp = rec.with_name(f".{rec.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**record, "kquant_types": types}, indent=1) + "\n")
+        os.replace(tmp, rec)
+    return types

@@ -1,0 +1,113 @@
+"""GGUF matrices in their own formats (``--dtype gguf``): Q8_0, Q5_0, Q4_K and Q6_K, run by the compiled kernels
+of ``kernels/kquant_gemm.c`` with every weight exactly the file's.
+
+Each matrix is repacked once at load from the file's blocks into strips of 16 outputs (:class:`KQuantWeight`): the
+same codes and scales, interleaved so that one vector instruction multiplies 16 outputs at once, at about the file's
+own size (Q4_K 4.625 bits a weight against the file's 4.5, Q6_K 6.5625 as in the file, Q5_0 5.5, Q8_0 8.5). Each
+strip keeps its own format, so a fused matrix (Q, K and V; gate and up) may mix them, as Q4_K_M files do. Where a
+matrix is multiplied, its activations are quantized to int8 per row and block of 32 (llama.cpp's Q8 arithmetic, as
+``--dtype int4`` does): the products are exact integers, so the only roundings are the activations' and fp32's.
+
+The embedding stays in the file's blocks too (:class:`QuantEmbedding`): the rows a forward needs are dequantized
+when gathered, to the values the fp32 conversion holds bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: The GGUF storage types the kernels run, by the kernels' format number.
+FORMATS = {"Q8_0": 0, "Q5_0": 1, "Q4_K": 2, "Q6_K": 3}
+#: Outputs per packed strip.
+STRIP = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KQuantWeight:
+    """A ``[in, out]`` weight as packed strips of 16 outputs, each in its GGUF format (``kernels/kquant_gemm.c``)."""
+
+    packed: torch.Tensor  #: uint8: the strips, one after another
+    strips: torch.Tensor  #: int64 ``[n_strips, 4]``: byte offset, format, first output, outputs (at most 16)
+    in_features: int
+    out_features: int
+    gemm: object  #: the kernels, :class:`spec_core.cpu_kernels.KQuantGemm`: ``gemm(x [rows, in] fp32, w)``
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.strips.numel() * 8
+
+    def formats(self) -> dict[str, int]:
+        """Outputs by GGUF type."""
+        names = {v: k for k, v in FORMATS.items()}
+        out: dict[str, int] = {}
+        for fmt, width in self.strips[:, 1:4:2].tolist():
+            out[names[fmt]] = out.get(names[fmt], 0) + width
+        return out
+
+
+def as_rows(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A GGUF matrix's raw blocks (``[out, row bytes]`` uint8, as ``GGUFReader`` gives them) as a tensor of its
+    own (the file's mapping is read-only)."""
+    return torch.from_numpy(np.array(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw.contiguous()
+
+
+def pack(raw: np.ndarray | torch.Tensor, type_name: str, in_features: int, gemm) -> KQuantWeight:
+    """A GGUF matrix (its raw blocks, ``[out, row bytes]``, of type ``type_name``) as a :class:`KQuantWeight` for
+    ``gemm`` (:func:`spec_core.cpu_kernels.kquant_gemm`)."""
+    if type_name not in FORMATS:
+        raise ValueError(f"{type_name} is not a format the K-quant kernels run ({', '.join(FORMATS)})")
+    fmt, rows = FORMATS[type_name], np.ascontiguousarray(raw)
+    packed = gemm.pack(fmt, rows, in_features)
+    n, size = rows.shape[0], gemm.strip_bytes(fmt, in_features)
+    first = torch.arange(0, n, STRIP)
+    strips = torch.stack([first // STRIP * size, torch.full_like(first, fmt), first, (n - first).clamp(max=STRIP)], 1)
+    return KQuantWeight(packed, strips.contiguous(), in_features, n, gemm)
+
+
+def concat(parts: list[KQuantWeight]) -> KQuantWeight:
+    """The matrices ``parts`` (same inputs) stacked along their outputs, as one weight: ``[Q; K; V]``."""
+    if len({p.in_features for p in parts}) != 1:
+        raise ValueError("matrices stacked along their outputs need the same input size")
+    tables, byte, col = [], 0, 0
+    for p in parts:
+        t = p.strips.clone()
+        t[:, 0] += byte
+        t[:, 2] += col
+        tables.append(t)
+        byte, col = byte + p.packed.numel(), col + p.out_features
+    return KQuantWeight(torch.cat([p.packed for p in parts]), torch.cat(tables).contiguous(), parts[0].in_features,
+                        col, parts[0].gemm)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantEmbedding:
+    """An embedding table kept in its GGUF blocks; :meth:`lookup` dequantizes the rows asked for."""
+
+    raw: torch.Tensor  #: uint8 ``[vocab, row bytes]``: the file's rows
+    type_name: str
+    dim: int
+    gemm: object  #: :class:`spec_core.cpu_kernels.KQuantGemm` (its exact row dequantization)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.dim
+
+    @property
+    def row_nbytes(self) -> int:
+        return self.raw.shape[1]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows ``[*ids.shape, dim]``: the file's values, as its fp32 conversion holds them."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        return self.gemm.dequant_rows(FORMATS[self.type_name], self.raw, flat, self.dim).view(*ids.shape, self.dim)
+
+    def as_matrix(self) -> KQuantWeight:
+        """The table as an output layer (a tied LM head)."""
+        return pack(self.raw, self.type_name, self.dim, self.gemm)
