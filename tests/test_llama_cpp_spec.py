@@ -85,6 +85,17 @@ def test_spec_output_missing_a_line_or_contradicting_itself_raises():
         parse_completion_output(real.split("common_perf_print:        eval time")[0])
 
 
+def test_sampling_flags_match_our_samplers():
+    from benchmarks.llama_cpp_spec import sampling_flags
+    from spec_core.config import SamplingParams
+
+    greedy = sampling_flags(SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert greedy == ["--temp", "0", "--top-k", "1", "--repeat-penalty", "1.0", "--ignore-eos"]
+    sampled = sampling_flags(SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=8))
+    assert sampled == ["--temp", "0.8", "--top-k", "0", "--top-p", "0.9", "--min-p", "0", "--repeat-penalty", "1.0",
+                       "--seed", "7"]
+
+
 @pytest.fixture()
 def stub_build(tmp_path, monkeypatch) -> Path:
     """``$SSD_LLAMA_CPP_DIR`` with stub binaries and a build record; the stub's argv log."""
