@@ -128,7 +128,7 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         # steps that ran on the drafter's core too, every request plain (verifier_service.core_lending)
         "lent_steps": sum(e.get("lent_steps", 0) for e in ssd_extra) if ssd_extra else None,
         "ssd_strategy": next((e["strategy"] for e in ssd_extra or [] if e.get("strategy")), None),
-        # run-ahead: the share of the decode the drafter spent in its forwards
+        # run-ahead: the share of the request's time (prefill and decode) the drafter spent in its forwards
         "drafter_busy_fraction": mean([e["drafter_busy_fraction"] for e in ssd_extra or []
                                        if e.get("drafter_busy_fraction") is not None]),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds and mode != LLAMA_CPP_SPEC else None,

@@ -203,8 +203,8 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         # steps on both cores, every request plain (verifier_service.core_lending)
         "lent_steps": delta["lent"],
         "strategy": local.strategy,
-        # run-ahead: the share of the decode the drafter spent in forwards
-        "drafter_busy_fraction": (delta["drafter_busy"] / stats.decode_s
+        # run-ahead: the share of the request's time (prefill and decode) the drafter spent in its forwards
+        "drafter_busy_fraction": (delta["drafter_busy"] / (stats.prefill_s + stats.decode_s)
                                   if stats.decode_s and local.strategy == "run-ahead" else None),
     }
     return seq, stats, ssd
