@@ -48,9 +48,9 @@ class BenchSettings:
     lend_cores: bool = True
     #: The sd modes choose K per step from measured costs too (``ssd demo``; the bench's SD runs at fixed K).
     sd_adaptive: bool = False
-
     #: The ssd modes' drafting strategy (``SSDConfig.strategy``).
     ssd_strategy: str = "auto"
+
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
