@@ -180,3 +180,114 @@ def test_run_ahead_over_grpc_equals_target_greedy(toy_pair, greedy_reference) ->
     finally:
         server.stop()
         drafter.stop()
+
+
+# ---- the target's distribution at T = 0.8 ---------------------------------------------------------------------
+class _RunAheadLoopback:
+    """An in-process link to a run-ahead drafter (timing-free, so seeded runs are deterministic): each flush (the
+    verifier's, before it verifies) applies the buffered events and drafts ``steps`` batched steps; a poll that
+    waits drafts one step (the drafter progressing while the verifier waits for it)."""
+
+    alive = True
+
+    def __init__(self, drafter, steps: int) -> None:
+        from drafter_service.run_ahead import RunAheadLoop
+
+        self.out: list[object] = []
+        self.events: list[object] = []
+        self.steps = steps
+        self.loop = RunAheadLoop(drafter, self)
+
+    def send(self, msg: object) -> None:  # both ends: events from the verifier, updates from the drafter loop
+        (self.out if isinstance(msg, ChainMsg) else self.events).append(msg)
+
+    def _apply(self, steps: int) -> None:
+        events, self.events = self.events, []
+        self.loop.handle(events)
+        for _ in range(steps):
+            self.out.extend(self.loop.drafter.step())
+
+    def flush(self) -> None:
+        self._apply(self.steps)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        self._apply(1 if timeout and not self.out else 0)
+        return bool(self.out)
+
+    def recv(self) -> object:
+        return self.out.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def _sampled_run(pair, steps: int, false_q: bool = False):
+    from test_ssd_distribution import PROMPT, TEMP, VOCAB, K, M, N
+
+    from drafter_service.run_ahead import RunAheadDrafter
+    from verifier_service.engine import EngineConfig, VerifierEngine
+    from verifier_service.run_ahead_proposer import RunAheadProposer
+    from verifier_service.scheduler import SchedulerConfig
+
+    target, draft = pair
+    drafter = RunAheadDrafter(draft, SSDConfig(k=K, num_blocks=8192, block_size=8, strategy="run-ahead"))
+    if false_q:  # NEGATIVE CONTROL: the verifier is sent q rows, but the tokens are their argmax, not draws
+        real = drafter._update
+
+        def lying(req, start, count):
+            msg = real(req, start, count)
+            q = msg.speculation.draft_probs
+            return ChainMsg(msg.request_id, msg.round, msg.start, Speculation(q.argmax(-1).tolist(), q, "chain"))
+
+        drafter._update = lying
+    proposer = RunAheadProposer(_RunAheadLoopback(drafter, steps), VOCAB, wait_fraction=0.5, backup_policy="neural")
+    engine = VerifierEngine(target, EngineConfig(8192, 8, SchedulerConfig(max_num_seqs=512, max_spec_nodes=K),
+                                                 sampling="residual"), drafter=proposer, k=K)
+    seqs = [Sequence(str(i), PROMPT, SamplingParams(temperature=TEMP, seed=i, max_new_tokens=M, ignore_eos=True))
+            for i in range(N)]
+    for s in seqs:
+        engine.add(s)
+    engine.run()
+    engine.blocks.check_all_free()
+    return torch.tensor([s.output_ids for s in seqs]), proposer.stats
+
+
+@pytest.mark.parametrize("steps", [5, 1])
+def test_run_ahead_ssd_matches_target_distribution(steps) -> None:
+    """A drafter far ahead (5 steps a round: rounds hit where the chain survived) and one step behind (rounds
+    wait for it)."""
+    import test_ssd_distribution as dist
+
+    pair = _distribution_pair()
+    out, stats = _sampled_run(pair, steps)
+    p = dist.min_pvalue(out, dist.exact_pairs(pair[0]))
+    # sampled chains survive a round less often than greedy ones (the bonus must equal the chain's next draw)
+    assert stats.rounds > 0 and stats.jit_misses > 0 and (stats.hits > 0.05 * stats.rounds if steps == 5 else True)
+    assert p > 1e-3, (p, stats)
+
+
+def test_control_run_ahead_with_a_false_q_fails() -> None:
+    import test_ssd_distribution as dist
+
+    pair = _distribution_pair()
+    out, _ = _sampled_run(pair, 5, false_q=True)
+    p = dist.min_pvalue(out, dist.exact_pairs(pair[0]))
+    assert p < 1e-6, p
+
+
+_PAIR: list = []
+
+
+def _distribution_pair():
+    """test_ssd_distribution's tiny target and a noisy copy as the draft (built once)."""
+    import tempfile
+    from pathlib import Path
+
+    from conftest import save_noisy_copy, save_tiny_model
+    from test_ssd_distribution import VOCAB
+
+    if not _PAIR:
+        base = Path(tempfile.mkdtemp(prefix="run-ahead-dist-"))
+        target = save_tiny_model(base / "t", "llama", 31, vocab_size=VOCAB)
+        _PAIR.extend([ModelRunner(target), ModelRunner(save_noisy_copy(target, base / "d", 0.15, 8))])
+    return _PAIR
