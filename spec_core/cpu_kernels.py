@@ -212,11 +212,12 @@ class KQuantGemm:
         """Bytes of one packed strip of 16 outputs over ``k`` inputs (-1: not a multiple of the format's block)."""
         return self._strip_bytes(fmt, k)
 
-    def pack(self, fmt: int, raw, k: int) -> torch.Tensor:
+    def pack(self, fmt: int, raw, k: int, empty=None) -> torch.Tensor:
         """A GGUF matrix's rows (``raw``: uint8 ``[out, row bytes]``, a C-contiguous numpy array, such as a view of
-        the file) as packed strips."""
+        the file) as packed strips, into a buffer from ``empty(nbytes)`` (default: an ordinary tensor)."""
         size = self.strip_bytes(fmt, k)
-        out = torch.empty(-(-raw.shape[0] // 16) * size, dtype=torch.uint8)
+        nbytes = -(-raw.shape[0] // 16) * max(size, 0)
+        out = empty(nbytes) if empty is not None else torch.empty(nbytes, dtype=torch.uint8)
         if size < 0 or self._pack(fmt, raw.ctypes.data, raw.shape[1], raw.shape[0], k, out.data_ptr(),
                                   torch.get_num_threads()) != 0:
             raise ValueError(f"cannot pack a {raw.shape[0]} x {k} matrix of {raw.shape[1]}-byte rows as format {fmt}")

@@ -14,6 +14,10 @@ when gathered, to the values the fp32 conversion holds bit for bit.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +27,37 @@ import torch
 FORMATS = {"Q8_0": 0, "Q5_0": 1, "Q4_K": 2, "Q6_K": 3}
 #: Outputs per packed strip.
 STRIP = 16
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``nbytes`` on 2 MB pages where the kernel grants them (Linux transparent
+    huge pages, asked for with ``madvise``; else ordinary pages).
+
+    Why. A decode step streams every packed matrix once. On 4 KB pages the CPU's prefetchers stop at each page
+    boundary and the TLB misses every 4 KB: one row over 335 MB of Q4_K strips took 27 ms on 4 KB pages and 14 ms
+    on 2 MB pages (24 GB/s, the core's read bandwidth) on an AVX-512 EPYC."""
+    madvise = _madvise()
+    if madvise is None or nbytes < _HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    base = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # untouched: pages come on first write
+    skip = -base.data_ptr() % _HUGE_PAGE
+    madvise(base.data_ptr() + skip, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE, _MADV_HUGEPAGE)  # best effort
+    return base[skip:skip + nbytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +99,7 @@ def pack(raw: np.ndarray | torch.Tensor, type_name: str, in_features: int, gemm)
     if type_name not in FORMATS:
         raise ValueError(f"{type_name} is not a format the K-quant kernels run ({', '.join(FORMATS)})")
     fmt, rows = FORMATS[type_name], np.ascontiguousarray(raw)
-    packed = gemm.pack(fmt, rows, in_features)
+    packed = gemm.pack(fmt, rows, in_features, huge_empty)
     n, size = rows.shape[0], gemm.strip_bytes(fmt, in_features)
     first = torch.arange(0, n, STRIP)
     strips = torch.stack([first // STRIP * size, torch.full_like(first, fmt), first, (n - first).clamp(max=STRIP)], 1)
@@ -82,8 +117,8 @@ def concat(parts: list[KQuantWeight]) -> KQuantWeight:
         t[:, 2] += col
         tables.append(t)
         byte, col = byte + p.packed.numel(), col + p.out_features
-    return KQuantWeight(torch.cat([p.packed for p in parts]), torch.cat(tables).contiguous(), parts[0].in_features,
-                        col, parts[0].gemm)
+    packed = torch.cat([p.packed for p in parts], out=huge_empty(byte))
+    return KQuantWeight(packed, torch.cat(tables).contiguous(), parts[0].in_features, col, parts[0].gemm)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,10 +87,13 @@ def test_each_format_multiplies_the_files_weights(type_name):
 @pytest.mark.parametrize("type_name", TYPES)
 def test_each_format_is_batch_invariant_and_its_plain_c_form(type_name, tmp_path):
     """A row's floats never depend on the other rows of the call (1 to 11 rows: groups of 8 and a remainder), on
-    more threads, or on the form: the plain-C loops and, where the CPU has AVX2, the AVX2 build give the same bits."""
+    more threads, or on the form: the plain-C loops (in this build, and built without SIMD) and, where the CPU has
+    AVX-512 and AVX2, the AVX2 build give the same bits."""
     gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
     kernels = cpu_kernels.kquant_gemm()
-    forms = [kernels.plain]
+    plain = _build(tmp_path, ["-O2", "-march=x86-64"], "plain")
+    assert plain.simd == 0
+    forms = [kernels.plain, plain.plain]
     if kernels.simd == 2 and "avx2" in cpu_kernels._cpu_flags().split():
         forms.append(_build(tmp_path, ["-O3", "-march=x86-64-v3"], "avx2"))
     raw = random_blocks(type_name, 72, 512, rng)
@@ -102,7 +105,7 @@ def test_each_format_is_batch_invariant_and_its_plain_c_form(type_name, tmp_path
     loud = torch.cat([x[:1], x[1:] * 1000, torch.zeros(1, 512)])
     got = kernels(loud, w)
     assert torch.equal(got[0], full[0]) and torch.equal(got[-1], torch.zeros(72))  # a zero row: scale 0, not NaN
-    for form in forms:
+    for form in forms:  # (the packed weight is the same bytes whichever build packed it)
         assert torch.equal(form(x, w), full), form
     before = torch.get_num_threads()
     try:

@@ -255,38 +255,69 @@ int kq_pack_matrix(int64_t fmt, const uint8_t *w, int64_t row_bytes, int64_t n, 
 
 /* ---- Activations. ---- */
 
+/* A call's rows quantized, in groups of KQ_ROWS rows interleaved block by block, so that one block of every row of
+ * a group is one run of bytes and each row's part sits at a fixed offset in it. */
 typedef struct {
-    int8_t *q;       /* [rows][k] codes */
-    float *d, *sx;   /* [rows][k / 32]: block scale, d · Σ q */
-    int32_t *s16;    /* [rows][k / 16]: Σ q per 16 */
+    int8_t *q;       /* [groups][k / 32][KQ_ROWS][32] codes */
+    float *d, *sx;   /* [groups][k / 32][KQ_ROWS]: block scale, d · Σ q */
+    int32_t *s;      /* [groups][k / 32][KQ_ROWS][3]: Σ q over the block's first 16, last 16, all 32 */
     void *buf;
 } kq_act;
 
-static int quantize_act(const float *x, int64_t rows, int64_t k, kq_act *a) {
+/* One group of rows: block b of row r is q + 256 b + 32 r, its scale d[8 b + r], its sums s + 24 b + 3 r. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *sx;
+    const int32_t *s;
+} kq_rows;
+
+static kq_rows group_of(const kq_act *a, int64_t g, int64_t k) {
     const int64_t nb = k / 32;
-    a->buf = malloc((size_t)(rows * nb) * (2 * sizeof(float) + 2 * sizeof(int32_t)) + (size_t)(rows * k));
+    return (kq_rows){a->q + g * KQ_ROWS * k, a->d + g * KQ_ROWS * nb, a->sx + g * KQ_ROWS * nb,
+                     a->s + g * KQ_ROWS * 3 * nb};
+}
+
+/* One block of 32 of a row: codes q = round-half-even(x · 127 / top) into q, their sums over each half into s;
+ * returns top = max |x| (the SIMD forms round and sum as this loop does). */
+static float quantize_block(const float *x, int8_t *q, int32_t *s) {
+#if KQ_SIMD == 2
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(qb));
+    s[0] = _mm512_reduce_add_epi32(qa);
+    s[1] = _mm512_reduce_add_epi32(qb);
+    return top;
+#else
+    float top = 0.f;
+    for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(x[i]));
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    s[0] = s[1] = 0;
+    for (int i = 0; i < 32; i++) {
+        q[i] = (int8_t)nearbyintf(x[i] * inv);
+        s[i / 16] += q[i];
+    }
+    return top;
+#endif
+}
+
+static int quantize_act(const float *x, int64_t rows, int64_t k, kq_act *a) {
+    const int64_t nb = k / 32, padded = (rows + KQ_ROWS - 1) / KQ_ROWS * KQ_ROWS;
+    a->buf = calloc((size_t)(padded * nb), 2 * sizeof(float) + 3 * sizeof(int32_t) + 32);
     if (!a->buf) return -1;
     a->d = a->buf;
-    a->sx = a->d + rows * nb;
-    a->s16 = (int32_t *)(a->sx + rows * nb);
-    a->q = (int8_t *)(a->s16 + rows * 2 * nb);
+    a->sx = a->d + padded * nb;
+    a->s = (int32_t *)(a->sx + padded * nb);
+    a->q = (int8_t *)(a->s + padded * nb * 3);
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * k + 32 * b;
-            int8_t *qb = a->q + r * k + 32 * b;
-            float top = 0.f;
-            for (int i = 0; i < 32; i++) top = fmaxf(top, fabsf(xb[i]));
-            const float inv = top > 0.f ? 127.f / top : 0.f;
-            int32_t half[2] = {0, 0};
-            for (int i = 0; i < 32; i++) {
-                qb[i] = (int8_t)nearbyintf(xb[i] * inv);
-                half[i / 16] += qb[i];
-            }
-            const int64_t at = r * nb + b;
-            a->d[at] = top / 127.f;
-            a->sx[at] = a->d[at] * (float)(half[0] + half[1]);
-            a->s16[2 * at] = half[0];
-            a->s16[2 * at + 1] = half[1];
+            const int64_t at = (r / KQ_ROWS * nb + b) * KQ_ROWS + r % KQ_ROWS; /* (group, block, row) */
+            int32_t *sums = a->s + 3 * at;
+            a->d[at] = quantize_block(x + r * k + 32 * b, a->q + 32 * at, sums) / 127.f;
+            sums[2] = sums[0] + sums[1];
+            a->sx[at] = a->d[at] * (float)sums[2];
         }
     return 0;
 }
@@ -312,38 +343,36 @@ static int32_t tile_dot(int64_t fmt, const uint8_t *codes, const uint8_t *high, 
     return s;
 }
 
-static void strip_plain(int64_t fmt, const kq_act *a, int64_t r0, int64_t nr, const uint8_t *w, int64_t k,
-                        float *out) {
+static void strip_plain(int64_t fmt, const kq_rows *a, int64_t nr, const uint8_t *w, int64_t k, float *out) {
     const int64_t nb = k / 32;
-    for (int64_t r = 0; r < nr; r++) {
-        const int8_t *x = a->q + (r0 + r) * k;
-        const float *dx = a->d + (r0 + r) * nb, *sx = a->sx + (r0 + r) * nb;
+    for (int64_t r = 0; r < nr; r++)
         for (int j = 0; j < 16; j++) {
             float acc = 0.f, mins = 0.f;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t sb = b / 8, g = b % 8;
+                const int8_t *x = a->q + 256 * b + 32 * r;
+                const float dx = a->d[8 * b + r];
                 if (fmt == KQ_Q8_0 || fmt == KQ_Q5_0) {
                     const uint8_t *tile = w + b * UNIT_BYTES[fmt];
-                    const int32_t s = tile_dot(fmt, tile + 32, tile + 288, j, x + 32 * b, 0, 32, fmt == KQ_Q5_0 ? 16 : 0);
-                    acc = fmaf((float)s, fp16(tile + 2 * j) * dx[b], acc);
+                    const int32_t s = tile_dot(fmt, tile + 32, tile + 288, j, x, 0, 32, fmt == KQ_Q5_0 ? 16 : 0);
+                    acc = fmaf((float)s, fp16(tile + 2 * j) * dx, acc);
                 } else if (fmt == KQ_Q4_K) {
                     const uint8_t *unit = w + sb * UNIT_BYTES[fmt], *tile = unit + 64 + 288 * g;
                     const float a_ = fp16(unit + 2 * j) * (float)tile[j], b_ = fp16(unit + 32 + 2 * j) * (float)tile[16 + j];
-                    acc = fmaf((float)tile_dot(fmt, tile + 32, NULL, j, x + 32 * b, 0, 32, 0), a_ * dx[b], acc);
-                    mins = fmaf(-b_, sx[b], mins);
+                    acc = fmaf((float)tile_dot(fmt, tile + 32, NULL, j, x, 0, 32, 0), a_ * dx, acc);
+                    mins = fmaf(-b_, a->sx[8 * b + r], mins);
                 } else {
                     const uint8_t *unit = w + sb * UNIT_BYTES[fmt], *tile = unit + 32 + 416 * g;
                     const float d = fp16(unit + 2 * j);
                     for (int h = 0; h < 2; h++) {
                         const float a_ = d * (float)(int8_t)tile[16 * h + j];
-                        const int32_t s = tile_dot(fmt, tile + 32, tile + 288, j, x + 32 * b, 16 * h, 16 * h + 16, 32);
-                        acc = fmaf((float)s, a_ * dx[b], acc);
+                        const int32_t s = tile_dot(fmt, tile + 32, tile + 288, j, x, 16 * h, 16 * h + 16, 32);
+                        acc = fmaf((float)s, a_ * dx, acc);
                     }
                 }
             }
             out[16 * r + j] = fmt == KQ_Q4_K ? acc + mins : acc;
         }
-    }
 }
 
 #include "kquant_simd.h"
@@ -365,10 +394,11 @@ static void kq_strips(const void *arg, int64_t begin, int64_t end) {
         const int64_t *st = g->strips + 4 * s;
         for (int64_t r0 = 0; r0 < g->rows; r0 += KQ_ROWS) {
             const int64_t nr = g->rows - r0 < KQ_ROWS ? g->rows - r0 : KQ_ROWS;
+            const kq_rows rows = group_of(g->a, r0 / KQ_ROWS, g->k);
 #if KQ_SIMD
-            strip_simd(st[1], g->a, r0, nr, g->w + st[0], g->k, out);
+            strip_simd(st[1], &rows, nr, g->w + st[0], g->k, out);
 #else
-            strip_plain(st[1], g->a, r0, nr, g->w + st[0], g->k, out);
+            strip_plain(st[1], &rows, nr, g->w + st[0], g->k, out);
 #endif
             for (int64_t r = 0; r < nr; r++)
                 memcpy(g->y + (r0 + r) * g->n + st[2], out + 16 * r, sizeof(float) * (size_t)st[3]);
@@ -398,7 +428,8 @@ int kq_gemm_plain(const float *x, const uint8_t *w, const int64_t *strips, float
         const int64_t *st = strips + 4 * s;
         for (int64_t r0 = 0; r0 < rows; r0 += KQ_ROWS) {
             const int64_t nr = rows - r0 < KQ_ROWS ? rows - r0 : KQ_ROWS;
-            strip_plain(st[1], &a, r0, nr, w + st[0], k, out);
+            const kq_rows group = group_of(&a, r0 / KQ_ROWS, k);
+            strip_plain(st[1], &group, nr, w + st[0], k, out);
             for (int64_t r = 0; r < nr; r++)
                 memcpy(y + (r0 + r) * n + st[2], out + 16 * r, sizeof(float) * (size_t)st[3]);
         }

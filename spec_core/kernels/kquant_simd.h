@@ -9,23 +9,29 @@
  */
 #define KQ_INLINE static inline __attribute__((always_inline))
 #ifndef W_PREFETCH
-#define W_PREFETCH 1024
+#define W_PREFETCH 2048
 #endif
 
 #if KQ_SIMD == 2
 
-KQ_INLINE __m512i bc4(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm512_set1_epi32(v);
+/* 4 bytes read as one int32 (an unaligned, aliasing load the compiler may fold into its user as a broadcast). */
+typedef int32_t __attribute__((may_alias, aligned(1))) kq_i32;
+
+KQ_INLINE __m512i bc4(const int8_t *x) { return _mm512_set1_epi32(*(const kq_i32 *)x); }
+
+/* s + u · (4 bytes of x broadcast), the broadcast folded into the instruction's memory operand (compilers keep it a
+ * separate instruction). */
+KQ_INLINE __m512i dpbusd_bc(__m512i s, __m512i u, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(u), "m"(*(const kq_i32 *)x));
+    return s;
 }
 
 /* Σ over vectors u[0..3] of u · q(x) (inputs x[0..16)), from s. */
 KQ_INLINE __m512i dot4(__m512i s, const __m512i *u, const int8_t *x) {
-    s = _mm512_dpbusd_epi32(s, u[0], bc4(x));
-    s = _mm512_dpbusd_epi32(s, u[1], bc4(x + 4));
-    s = _mm512_dpbusd_epi32(s, u[2], bc4(x + 8));
-    return _mm512_dpbusd_epi32(s, u[3], bc4(x + 12));
+    s = dpbusd_bc(s, u[0], x);
+    s = dpbusd_bc(s, u[1], x + 4);
+    s = dpbusd_bc(s, u[2], x + 8);
+    return dpbusd_bc(s, u[3], x + 12);
 }
 
 KQ_INLINE void nibbles(const uint8_t *p, __m512i u[8]) {
@@ -48,7 +54,7 @@ KQ_INLINE __m512 i8_ps(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvte
 KQ_INLINE __m512 h16_ps(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* Q8_0 and Q5_0: a tile of 32 inputs, d per output. */
-KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, const uint8_t *w, int64_t k,
+KQ_INLINE void strip_32(int64_t fmt, const kq_rows *a, const int nr, const uint8_t *w, int64_t k,
                         float *out) {
     const int64_t nb = k / 32, unit = fmt == KQ_Q8_0 ? 544 : 352;
     const int off = fmt == KQ_Q8_0 ? 128 : 16;
@@ -69,9 +75,9 @@ KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, 
         }
 #pragma GCC unroll 8
         for (int r = 0; r < nr; r++) {
-            const int64_t at = (r0 + r) * nb + b;
-            const int8_t *x = a->q + (r0 + r) * k + 32 * b;
-            const __m512i start = _mm512_set1_epi32(-off * (a->s16[2 * at] + a->s16[2 * at + 1]));
+            const int64_t at = 8 * b + r;
+            const int8_t *x = a->q + 256 * b + 32 * r;
+            const __m512i start = _mm512_set1_epi32(-off * a->s[3 * at + 2]);
             const __m512i s = _mm512_add_epi32(dot4(start, u, x), dot4(_mm512_setzero_si512(), u + 4, x + 16));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a->d[at])), acc[r]);
         }
@@ -80,8 +86,7 @@ KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, 
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_t *w, int64_t k, float *out) {
-    const int64_t nb = k / 32;
+KQ_INLINE void strip_q4k(const kq_rows *a, const int nr, const uint8_t *w, int64_t k, float *out) {
     __m512 acc[KQ_ROWS], mins[KQ_ROWS];
     __m512i u[8];
 #pragma GCC unroll 8
@@ -96,8 +101,8 @@ KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_
             nibbles(t + 32, u);
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
-                const int64_t at = (r0 + r) * nb + b;
-                const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                const int64_t at = 8 * b + r;
+                const int8_t *x = a->q + 256 * b + 32 * r;
                 const __m512i zero = _mm512_setzero_si512();
                 const __m512i s = _mm512_add_epi32(dot4(zero, u, x), dot4(zero, u + 4, x + 16));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sc, _mm512_set1_ps(a->d[at])), acc[r]);
@@ -109,8 +114,7 @@ KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], mins[r]));
 }
 
-KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_t *w, int64_t k, float *out) {
-    const int64_t nb = k / 32;
+KQ_INLINE void strip_q6k(const kq_rows *a, const int nr, const uint8_t *w, int64_t k, float *out) {
     const __m512i m30 = _mm512_set1_epi8(0x30);
     __m512 acc[KQ_ROWS];
     __m512i u[8];
@@ -130,11 +134,11 @@ KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_
             }
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
-                const int64_t at = (r0 + r) * nb + b;
-                const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                const int64_t at = 8 * b + r;
+                const int8_t *x = a->q + 256 * b + 32 * r;
                 const __m512 dx = _mm512_set1_ps(a->d[at]);
-                const __m512i s0 = dot4(_mm512_set1_epi32(-32 * a->s16[2 * at]), u, x);
-                const __m512i s1 = dot4(_mm512_set1_epi32(-32 * a->s16[2 * at + 1]), u + 4, x + 16);
+                const __m512i s0 = dot4(_mm512_set1_epi32(-32 * a->s[3 * at]), u, x);
+                const __m512i s1 = dot4(_mm512_set1_epi32(-32 * a->s[3 * at + 1]), u + 4, x + 16);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(sc0, dx), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(sc1, dx), acc[r]);
             }
@@ -144,12 +148,12 @@ KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-KQ_INLINE void strip_fmt(int64_t fmt, const kq_act *a, int64_t r0, const int nr, const uint8_t *w, int64_t k,
+KQ_INLINE void strip_fmt(int64_t fmt, const kq_rows *a, const int nr, const uint8_t *w, int64_t k,
                          float *out) {
-    if (fmt == KQ_Q4_K) strip_q4k(a, r0, nr, w, k, out);
-    else if (fmt == KQ_Q6_K) strip_q6k(a, r0, nr, w, k, out);
-    else if (fmt == KQ_Q8_0) strip_32(KQ_Q8_0, a, r0, nr, w, k, out);
-    else strip_32(KQ_Q5_0, a, r0, nr, w, k, out);
+    if (fmt == KQ_Q4_K) strip_q4k(a, nr, w, k, out);
+    else if (fmt == KQ_Q6_K) strip_q6k(a, nr, w, k, out);
+    else if (fmt == KQ_Q8_0) strip_32(KQ_Q8_0, a, nr, w, k, out);
+    else strip_32(KQ_Q5_0, a, nr, w, k, out);
 }
 
 #elif KQ_SIMD == 1
@@ -193,7 +197,7 @@ KQ_INLINE __m256 u8_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvte
 KQ_INLINE __m256 i8_ps(const uint8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 KQ_INLINE __m256 h16_ps(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, const uint8_t *w0, int64_t k,
+KQ_INLINE void strip_32(int64_t fmt, const kq_rows *a, const int nr, const uint8_t *w0, int64_t k,
                         float *out) {
     const int64_t nb = k / 32, unit = fmt == KQ_Q8_0 ? 544 : 352;
     for (int h = 0; h < 2; h++) {
@@ -218,14 +222,14 @@ KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, 
             }
 #pragma GCC unroll 8
             for (int r = 0; r < nr; r++) {
-                const int64_t at = (r0 + r) * nb + b;
-                const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                const int64_t at = 8 * b + r;
+                const int8_t *x = a->q + 256 * b + 32 * r;
                 __m256i s;
                 if (fmt == KQ_Q8_0) {
                     s = dot8_signed(u, mag, x);
                 } else {
                     s = _mm256_add_epi32(dot4(u, x), dot4(u + 4, x + 16));
-                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * (a->s16[2 * at] + a->s16[2 * at + 1])));
+                    s = _mm256_sub_epi32(s, _mm256_set1_epi32(16 * a->s[3 * at + 2]));
                 }
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a->d[at])), acc[r]);
             }
@@ -235,8 +239,7 @@ KQ_INLINE void strip_32(int64_t fmt, const kq_act *a, int64_t r0, const int nr, 
     }
 }
 
-KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_t *w0, int64_t k, float *out) {
-    const int64_t nb = k / 32;
+KQ_INLINE void strip_q4k(const kq_rows *a, const int nr, const uint8_t *w0, int64_t k, float *out) {
     for (int h = 0; h < 2; h++) {
         const uint8_t *w = w0;
         __m256 acc[KQ_ROWS], mins[KQ_ROWS];
@@ -254,8 +257,8 @@ KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_
                 nibbles(t + 32, h, u);
 #pragma GCC unroll 8
                 for (int r = 0; r < nr; r++) {
-                    const int64_t at = (r0 + r) * nb + b;
-                    const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                    const int64_t at = 8 * b + r;
+                    const int8_t *x = a->q + 256 * b + 32 * r;
                     const __m256i s = _mm256_add_epi32(dot4(u, x), dot4(u + 4, x + 16));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(sc, _mm256_set1_ps(a->d[at])), acc[r]);
                     mins[r] = _mm256_fnmadd_ps(bm, _mm256_set1_ps(a->sx[at]), mins[r]);
@@ -267,8 +270,7 @@ KQ_INLINE void strip_q4k(const kq_act *a, int64_t r0, const int nr, const uint8_
     }
 }
 
-KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_t *w0, int64_t k, float *out) {
-    const int64_t nb = k / 32;
+KQ_INLINE void strip_q6k(const kq_rows *a, const int nr, const uint8_t *w0, int64_t k, float *out) {
     const __m256i m30 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
         const uint8_t *w = w0;
@@ -291,11 +293,11 @@ KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < nr; r++) {
-                    const int64_t at = (r0 + r) * nb + b;
-                    const int8_t *x = a->q + (r0 + r) * k + 32 * b;
+                    const int64_t at = 8 * b + r;
+                    const int8_t *x = a->q + 256 * b + 32 * r;
                     const __m256 dx = _mm256_set1_ps(a->d[at]);
-                    const __m256i s0 = _mm256_sub_epi32(dot4(u, x), _mm256_set1_epi32(32 * a->s16[2 * at]));
-                    const __m256i s1 = _mm256_sub_epi32(dot4(u + 4, x + 16), _mm256_set1_epi32(32 * a->s16[2 * at + 1]));
+                    const __m256i s0 = _mm256_sub_epi32(dot4(u, x), _mm256_set1_epi32(32 * a->s[3 * at]));
+                    const __m256i s1 = _mm256_sub_epi32(dot4(u + 4, x + 16), _mm256_set1_epi32(32 * a->s[3 * at + 1]));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(sc0, dx), acc[r]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(sc1, dx), acc[r]);
                 }
@@ -306,29 +308,28 @@ KQ_INLINE void strip_q6k(const kq_act *a, int64_t r0, const int nr, const uint8_
     }
 }
 
-KQ_INLINE void strip_fmt(int64_t fmt, const kq_act *a, int64_t r0, const int nr, const uint8_t *w, int64_t k,
+KQ_INLINE void strip_fmt(int64_t fmt, const kq_rows *a, const int nr, const uint8_t *w, int64_t k,
                          float *out) {
-    if (fmt == KQ_Q4_K) strip_q4k(a, r0, nr, w, k, out);
-    else if (fmt == KQ_Q6_K) strip_q6k(a, r0, nr, w, k, out);
-    else if (fmt == KQ_Q8_0) strip_32(KQ_Q8_0, a, r0, nr, w, k, out);
-    else strip_32(KQ_Q5_0, a, r0, nr, w, k, out);
+    if (fmt == KQ_Q4_K) strip_q4k(a, nr, w, k, out);
+    else if (fmt == KQ_Q6_K) strip_q6k(a, nr, w, k, out);
+    else if (fmt == KQ_Q8_0) strip_32(KQ_Q8_0, a, nr, w, k, out);
+    else strip_32(KQ_Q5_0, a, nr, w, k, out);
 }
 
 #endif
 
 #if KQ_SIMD
 /* One strip against nr rows, with nr a constant in each case (the rows' sums stay in registers). */
-static void strip_simd(int64_t fmt, const kq_act *a, int64_t r0, int64_t nr, const uint8_t *w, int64_t k,
-                       float *out) {
+static void strip_simd(int64_t fmt, const kq_rows *a, int64_t nr, const uint8_t *w, int64_t k, float *out) {
     switch (nr) {
-    case 1: strip_fmt(fmt, a, r0, 1, w, k, out); break;
-    case 2: strip_fmt(fmt, a, r0, 2, w, k, out); break;
-    case 3: strip_fmt(fmt, a, r0, 3, w, k, out); break;
-    case 4: strip_fmt(fmt, a, r0, 4, w, k, out); break;
-    case 5: strip_fmt(fmt, a, r0, 5, w, k, out); break;
-    case 6: strip_fmt(fmt, a, r0, 6, w, k, out); break;
-    case 7: strip_fmt(fmt, a, r0, 7, w, k, out); break;
-    default: strip_fmt(fmt, a, r0, 8, w, k, out); break;
+    case 1: strip_fmt(fmt, a, 1, w, k, out); break;
+    case 2: strip_fmt(fmt, a, 2, w, k, out); break;
+    case 3: strip_fmt(fmt, a, 3, w, k, out); break;
+    case 4: strip_fmt(fmt, a, 4, w, k, out); break;
+    case 5: strip_fmt(fmt, a, 5, w, k, out); break;
+    case 6: strip_fmt(fmt, a, 6, w, k, out); break;
+    case 7: strip_fmt(fmt, a, 7, w, k, out); break;
+    default: strip_fmt(fmt, a, 8, w, k, out); break;
     }
 }
 #endif
