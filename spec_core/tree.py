@@ -41,6 +41,11 @@ class TokenTree:
     #: NEGATIVE CONTROL ONLY: verify by greedy match even when sampling (biased at T > 0; see
     #: :func:`greedy_match_verify_tree_path`).
     greedy_match: bool = False
+    #: A chain's proposal for the round's last token: ``(token, q row)``, drawn from q after the last node. Sampled
+    #: verification tests it as one more child of the last node (so, accepted with probability min(1, p/q), else the
+    #: last token comes from the residual) without the target computing its row: the emitted token is still
+    #: distributed as p, and equals the drafter's next token more often than an independent draw from p would.
+    tail: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.parents)
@@ -51,6 +56,8 @@ class TokenTree:
                 raise ValueError(f"node {i} has parent {par}; need -1 <= parent < own index (topological order)")
         if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
             raise ValueError(f"draft_probs must be [{n}, V], got {tuple(self.draft_probs.shape)}")
+        if self.tail is not None and any(par != i - 1 for i, par in enumerate(self.parents)):
+            raise ValueError("a tail follows a chain only")
 
     @property
     def num_nodes(self) -> int:
@@ -145,7 +152,8 @@ def stochastic_verify_tree_path(
     Args:
         target_probs: ``[N+1, V]`` target distributions (row 0: root, row 1+i: children of node i).
         tree: with ``draft_probs``; row i must be the distribution node i was sampled from.
-        uniforms: 1-D, at least N+1 uniforms in [0, 1), consumed in order: one per acceptance test, one final draw.
+        uniforms: 1-D, at least N+1 uniforms in [0, 1) (N+2 with a ``tail``), consumed in order: one per acceptance
+            test, one final draw.
         sibling_recursion: False is a NEGATIVE CONTROL ONLY (biased): every sibling is tested against the original
             p, and after all are rejected the last token comes from norm(max(0, p - q_last)).
     """
@@ -155,8 +163,8 @@ def stochastic_verify_tree_path(
         raise ValueError("stochastic verification needs tree.draft_probs")
     if target_probs.shape[0] != n + 1:
         raise ValueError(f"target_probs must have {n + 1} rows, got {target_probs.shape[0]}")
-    if uniforms.numel() < n + 1:
-        raise ValueError(f"need at least {n + 1} uniforms, got {uniforms.numel()}")
+    if uniforms.numel() < n + 1 + (tree.tail is not None):
+        raise ValueError(f"need at least {n + 1 + (tree.tail is not None)} uniforms, got {uniforms.numel()}")
     kids = tree.child_lists()
     out: list[int] = []
     path: list[int] = []
@@ -176,6 +184,15 @@ def stochastic_verify_tree_path(
                 break
             if sibling_recursion:
                 p = _residual(p[None], q[None])[0]
+            q_last = q
+        if nxt is None and tree.tail is not None and cur == n - 1:  # the end of the chain: test its tail
+            x, q = tree.tail
+            accept = bool(uniforms[k] * q[x] < p[x])
+            k += 1
+            if accept:
+                out.append(x)
+                return out, path
+            p = _residual(p[None], q[None])[0] if sibling_recursion else p
             q_last = q
         if nxt is None:
             if not sibling_recursion and q_last is not None:

@@ -291,3 +291,30 @@ def _distribution_pair():
         target = save_tiny_model(base / "t", "llama", 31, vocab_size=VOCAB)
         _PAIR.extend([ModelRunner(target), ModelRunner(save_noisy_copy(target, base / "d", 0.15, 8))])
     return _PAIR
+
+
+def test_a_chain_tail_is_tested_like_a_child_and_keeps_the_last_token_exact() -> None:
+    """The round's last token, with a tail drawn from q: distributed as p, and equal to the tail with probability
+    sum(min(p, q)) (an independent draw from p would match it with sum(p q))."""
+    from scipy.stats import chisquare
+
+    from spec_core.tree import TokenTree, stochastic_verify_tree_path
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(6, generator=g), -1)
+    q = torch.softmax(torch.randn(6, generator=g), -1)
+    target = torch.stack([p, p])  # one chain node, always accepted below (q of it one-hot, p of it 1)
+    target[0] = torch.nn.functional.one_hot(torch.tensor(2), 6).float()
+    counts, same, n = torch.zeros(6), 0, 20000
+    for _ in range(n):
+        tail = int(torch.multinomial(q, 1, generator=g))
+        tree = TokenTree([-1], [2], torch.nn.functional.one_hot(torch.tensor([2]), 6).float(), tail=(tail, q))
+        out, path = stochastic_verify_tree_path(target, tree, torch.rand(3, generator=g))
+        assert out[0] == 2 and path == [0]
+        counts[out[1]] += 1
+        same += out[1] == tail
+    expected = (p.double() / p.double().sum() * n).tolist()
+    assert chisquare(counts.double().tolist(), expected).pvalue > 1e-3
+    assert abs(same / n - float(torch.minimum(p, q).sum())) < 0.02
+    with pytest.raises(ValueError):
+        TokenTree([-1, -1], [1, 2], tail=(3, q))

@@ -194,8 +194,8 @@ class VerifierEngine:
         probs = sampled.probs[seq.request_id]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
-        return stochastic_verify_tree_path(probs, tree, seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1, VERIFY),
-                                           self.config.sibling_recursion)
+        uniforms = seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY)
+        return stochastic_verify_tree_path(probs, tree, uniforms, self.config.sibling_recursion)
 
     def _propose(self, work: list[ScheduledSeq]) -> tuple[dict[str, TokenTree], bool]:
         """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve, and

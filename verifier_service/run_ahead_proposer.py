@@ -12,9 +12,11 @@ tokens, so its speculations, and so its tokens, never depend on timing.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from spec_core.sequence import Sequence
 from spec_core.speculation import ChainMsg, PrefillEvent, Speculation
+from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
 from verifier_service.chain_view import TAIL, ChainView
 from verifier_service.ssd_proposer import REPRODUCIBLE_WAIT_S, SSDProposer
@@ -84,9 +86,19 @@ class RunAheadProposer(SSDProposer):
                 elif waited:
                     st.jit_attempted = True
                     self.stats.jit += int(spec is not None)
-            trees.append(self._to_tree(seq, k, spec))
+            tree = self._to_tree(seq, k, spec)
+            trees.append(self._with_tail(seq, tree) if spec is not None else tree)
         self.link.flush()
         return trees
+
+    def _with_tail(self, seq: Sequence, tree: TokenTree) -> TokenTree:
+        """A sampled request's chain with the view's next token as its tail (:attr:`TokenTree.tail`): then the
+        round's last token keeps the chain going as often as the target's test accepts it."""
+        view = self.views[seq.request_id]
+        m = tree.num_nodes
+        if seq.params.deterministic or len(view.tokens) <= m or len(view.q_rows) <= m:
+            return tree
+        return replace(tree, tail=(view.tokens[m], to_device(view.q_rows[m], self.device)))
 
     def _start(self, seq: Sequence, k: int) -> None:
         """A request's first round (the target's prefill): the drafter starts its chain from the prompt."""
