@@ -134,11 +134,10 @@ def real_pair() -> dict[str, str]:
     return paths
 
 
-@pytest.fixture(scope="session")
-def served():
-    """``ssd -v serve`` as a subprocess with its own embedded Ray on free ports (gRPC, HTTP, metrics), fp32 for the
-    exactness checks: ``(process, info)``, ``info`` being the deployment it logs (JSON). Shared by the whole
-    session; the one test that stops it is marked ``stops_served`` and runs last."""
+def start_served(*args: str, timeout_s: float = 240):
+    """``ssd -v serve ARGS`` as a subprocess with its own embedded Ray on free ports (gRPC, HTTP, metrics), once it
+    logged its deployment: ``(process, info)``, ``info`` being that deployment (JSON). Its log is drained for the
+    process's life (a full pipe would block the server's logging)."""
     import json
     import os
     import subprocess
@@ -148,13 +147,13 @@ def served():
 
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     proc = subprocess.Popen([sys.executable, "-m", "ssd_cli.main", "-v", "serve", "--port", "0", "--metrics-port", "0",
-                             "--http-port", "0", "--dtype", "float32"], env=env,
+                             "--http-port", "0", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tail: deque[str] = deque(maxlen=40)
     found = threading.Event()
     info: dict = {}
 
-    def read_log() -> None:  # drained for the whole session: a full pipe would block the server's logging
+    def read_log() -> None:
         for line in proc.stderr:
             tail.append(line)
             if not found.is_set() and " ssd: deployment: {" in line:
@@ -163,9 +162,17 @@ def served():
         found.set()
 
     threading.Thread(target=read_log, daemon=True).start()
-    if not found.wait(240) or not info:
+    if not found.wait(timeout_s) or not info:
         proc.kill()
         pytest.fail(f"ssd serve did not start: {''.join(tail)[-2000:]}")
+    return proc, info
+
+
+@pytest.fixture(scope="session")
+def served():
+    """``ssd -v serve`` in fp32 for the exactness checks (:func:`start_served`), shared by the whole session; the
+    one test that stops it is marked ``stops_served`` and runs last."""
+    proc, info = start_served("--dtype", "float32")
     yield proc, info
     if proc.poll() is None:
         proc.kill()

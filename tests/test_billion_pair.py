@@ -6,6 +6,8 @@ prompts, with the drafter running ahead (``auto`` picks it for this pair) and wi
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 import pytest
 import torch
@@ -36,8 +38,8 @@ def target(paths):
 
 @pytest.fixture(scope="module")
 def prompts(paths) -> list[list[int]]:
-    from spec_core.models import load_tokenizer
     from spec_core.model_paths import resolve_model
+    from spec_core.models import load_tokenizer
     from spec_core.prompts import code_prompts
 
     tok = load_tokenizer(resolve_model(paths["target"], weights=False))
@@ -79,3 +81,32 @@ def test_greedy_ssd_equals_transformers(paths, target, prompts, hf_greedy, strat
         assert ssd.proposer.stats.rounds > 0
     for i, (seq, ref) in enumerate(zip(seqs, hf_greedy)):
         assert seq.output_ids == ref, f"prompt {i}"
+
+
+def test_served_chat_uses_chatml(paths) -> None:
+    """``ssd serve --pair qwen2.5-coder-1.5b`` (default dtype, the drafter running ahead) answers a chat request
+    from the official client, greedy; the prompt it counted is the pair's ChatML rendering of the messages."""
+    from conftest import start_served
+    from openai import OpenAI
+
+    from spec_core.model_paths import resolve_model
+    from spec_core.models import load_tokenizer
+
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    tok = load_tokenizer(resolve_model(paths["target"], weights=False))
+    chatml = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert tok.decode(chatml).startswith("<|im_start|>system")  # the GGUF's own template: ChatML
+    proc, info = start_served("--pair", "qwen2.5-coder-1.5b", timeout_s=600)
+    try:
+        with OpenAI(base_url=f"http://{info['verifier']['http_address']}/v1", api_key="unused", max_retries=0,
+                    timeout=300) as client:
+            out = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                                 temperature=0, max_tokens=48)
+        assert out.usage.prompt_tokens == len(chatml)
+        assert out.usage.completion_tokens > 0 and "def " in out.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)  # ssd serve shuts its Ray down
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
