@@ -144,7 +144,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
     from spec_core.models import load_runner
 
     name = resolve_dtype(dtype, device, target_path, cpu_kernels)
-    draft_name = resolve_dtype(draft_dtype(name, cpu_kernels), device)  # as every command loads the draft
+    draft_name = resolve_dtype(draft_dtype(name, cpu_kernels, draft_path), device)  # as every command loads it
     on_cpu = torch.device(device).type == "cpu"
     ncpu = os.cpu_count() or 1
     cores = {(core + i) % ncpu for i in range(threads)} if core is not None and on_cpu else None

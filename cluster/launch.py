@@ -138,7 +138,7 @@ class PairConfig:
                         tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy)
         target = self.dtype if on_gpu or self.device not in ("auto", "cpu") else resolve_dtype(
             self.dtype, "cpu", self.target_path)
-        draft = ModelConfig(self.draft_path, draft_dtype(target), self.device)
+        draft = ModelConfig(self.draft_path, draft_dtype(target, path=self.draft_path), self.device)
         sec = link_security(host, self.extra_verifier)
         return DrafterServerConfig(draft, ssd, host=host, kv_memory_fraction=self.kv_memory_fraction,
                                    tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,

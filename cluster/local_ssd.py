@@ -100,7 +100,7 @@ class LocalSSD:
     def _default_draft_dtype(self) -> str:
         """The target's dtype, or for a weight-only target (int4, int8) the draft's own default (``draft_dtype``)."""
         return draft_dtype(self.target.weights or str(self.target.dtype).removeprefix("torch."),
-                           self.target.kernels is not None)
+                           self.target.kernels is not None, self.config.draft_path)
 
     def _watch(self) -> None:
         """Restart a dead drafter process; the proposer switches to the new link at its next step."""

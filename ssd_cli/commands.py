@@ -23,8 +23,9 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
               "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
     check_model_dir(target.path)  # before its dtype is resolved (which reads a GGUF's record)
-    draft = (ModelConfig(args.draft or pair["draft"], dtype=getattr(args, "draft_dtype", None)
-                         or draft_dtype(target.resolved_dtype, runner["cpu_kernels"]),
+    draft_path = (args.draft or pair["draft"]) if need_draft else None
+    draft = (ModelConfig(draft_path, dtype=getattr(args, "draft_dtype", None)
+                         or draft_dtype(target.resolved_dtype, runner["cpu_kernels"], draft_path),
                          device=args.device, **runner) if need_draft else None)
     for cfg in (target, draft):
         if cfg is not None:
@@ -201,7 +202,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for path in pair.values():
         check_model_dir(path)
     target = ModelConfig(pair["target"], dtype=args.dtype, device=args.device)
-    draft = ModelConfig(pair["draft"], dtype=draft_dtype(target.resolved_dtype), device=args.device)
+    draft = ModelConfig(pair["draft"], dtype=draft_dtype(target.resolved_dtype, path=pair["draft"]),
+                        device=args.device)
     report = run_demo(target, draft, args.chat, args.max_new_tokens, args.k, args.ssd_k, repeats=args.repeats,
                       adaptive=not args.fixed_k, threads=args.threads)
     sys.stdout.write(format_demo(report))

@@ -98,3 +98,15 @@ def test_a_matrix_in_another_type_is_refused_in_one_line(fields, tmp_path):
     folder = convert_gguf(tmp_path / "f32.gguf", tmp_path / "hf", weights=False)
     with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight is F32; use --dtype int4 or float32"):
         ModelRunner(folder, weights="gguf")
+
+
+def test_the_draft_under_gguf_runs_its_own_formats_where_it_has_them(tiny, toy_pair):
+    """A K-quant GGUF draft under a gguf target is gguf too; a draft folder without a GGUF behind it is int4."""
+    from spec_core.config import ModelConfig, draft_dtype, native_gguf
+
+    path, folder = tiny
+    assert native_gguf(str(path)) and native_gguf(str(folder))
+    assert draft_dtype("gguf", path=str(folder)) == "gguf"
+    assert draft_dtype("gguf", path=toy_pair["draft"]) == draft_dtype("gguf") == "int4"
+    assert draft_dtype("gguf", kernels=False, path=str(folder)) == "auto"
+    assert ModelConfig(str(folder), "gguf").weights == "gguf"
