@@ -48,11 +48,18 @@ def native_bf16(device: str = "cpu") -> bool:
 
 def resolve_dtype(name: str, device: str = "cpu", path: str | None = None, kernels: bool = True) -> str:
     """The concrete dtype name. ``auto`` becomes, on a CPU with the compiled kernels (``kernels``), the model's own
-    4-bit format where ``path`` is a 4-bit GGUF or converted from one (``int4``: the fastest dtype on every CPU
-    measured, and what llama.cpp users run); else ``bfloat16`` where :func:`native_bf16`, else ``float32``."""
+    format where ``path`` is a quantized GGUF or converted from one: ``gguf`` for a file of K-quants (and Q5_0,
+    Q8_0) the kernels run exactly (:func:`native_gguf`), ``int4`` for another 4-bit file (the fastest dtype on every
+    CPU measured, and what llama.cpp users run); else ``bfloat16`` where :func:`native_bf16`, else ``float32``.
+
+    ``gguf`` over ``int4`` for K-quant files: on the Qwen2.5-Coder 1.5B Q4_K_M target (AVX-512 BF16 EPYC, one
+    thread) T(1) 50.5 against 69.3 ms and a 5-row verify 77 against 117 ms, and greedy agreement with fp32 over 6
+    prompts x 32 tokens 0.73 of the tokens against 0.56 (its 0.5B draft: 0.88 against 0.47)."""
     name = check_dtype(name)
     if name != "auto":
         return name
+    if path is not None and kernels and native_gguf(path, device):
+        return "gguf"
     if path is not None and kernels and native_int4(path, device):
         return "int4"
     return "bfloat16" if native_bf16(device) else "float32"

@@ -30,7 +30,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", help=PAIR_HELP)
     p.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     p.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 (default auto: on a CPU a 4-bit GGUF target runs its own int4, else bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load; all fp32 elsewhere, CPU)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 | gguf (default auto: on a CPU a quantized GGUF target runs its own formats, gguf for K-quant files and int4 for other 4-bit ones, else bf16 where the device multiplies it natively, else fp32; fp32 is the exactness reference; int8: weight-only int8 matrices, int4: the GGUF's Q4_1 layout, groups of 32 with a scale and a min, w8a8: int8 weights and activations, SmoothQuant-calibrated at load, gguf: a GGUF's own Q4_K, Q5_0, Q6_K and Q8_0 matrices, exactly, read without an fp32 copy; all fp32 elsewhere, CPU)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--no-pad-rows", action="store_true",
@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "0, from measured costs, as ssd serve does)")
     d.add_argument("--threads", type=int, default=1, help="the target's threads in the one-core rows (default 1)")
     d.add_argument("--repeats", type=int, default=3, help="interleaved runs of every mode (default 3; medians)")
-    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 (default auto: "
-                   "a 4-bit GGUF's own int4 on a CPU, else bf16 where native, else fp32; fp32 is exact)")
+    d.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | int8 | int4 | w8a8 | gguf (default "
+                   "auto: a GGUF's own formats on a CPU, gguf or int4, else bf16 where native, else fp32; fp32 is "
+                   "exact)")
     d.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     d.add_argument("--pair", help=PAIR_HELP)
 

@@ -92,7 +92,7 @@ def _add_serve_engine(s) -> None:
                    "smollm2-135m (the default) or qwen2.5-coder-1.5b (`ssd install-models --pair ...` first)")
     s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
     s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4 | w8a8")
+    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4 | w8a8 | gguf")
 
 
 

@@ -110,3 +110,13 @@ def test_the_draft_under_gguf_runs_its_own_formats_where_it_has_them(tiny, toy_p
     assert draft_dtype("gguf", path=toy_pair["draft"]) == draft_dtype("gguf") == "int4"
     assert draft_dtype("gguf", kernels=False, path=str(folder)) == "auto"
     assert ModelConfig(str(folder), "gguf").weights == "gguf"
+
+
+def test_auto_runs_a_k_quant_file_in_its_own_formats(tiny):
+    """``auto`` on a CPU with the kernels: the tiny K-quant file runs as gguf; without the kernels, in float."""
+    from spec_core.config import ModelConfig, native_bf16
+
+    path, folder = tiny
+    assert ModelConfig(str(path), "auto").resolved_dtype == ModelConfig(str(folder), "auto").resolved_dtype == "gguf"
+    float_auto = "bfloat16" if native_bf16() else "float32"
+    assert ModelConfig(str(folder), "auto", cpu_kernels=False).resolved_dtype == float_auto
