@@ -51,10 +51,9 @@ def resolve_dtype(name: str, device: str = "cpu", path: str | None = None, kerne
     format where ``path`` is a quantized GGUF or converted from one: ``gguf`` for a file of K-quants (and Q5_0,
     Q8_0) the kernels run exactly (:func:`native_gguf`), ``int4`` for another 4-bit file (the fastest dtype on every
     CPU measured, and what llama.cpp users run); else ``bfloat16`` where :func:`native_bf16`, else ``float32``.
+    (``gguf`` over ``int4``: faster and closer to fp32 on the Qwen2.5-Coder pair, docs/models.md.)"""
+    from spec_core.gguf_weights import native_gguf
 
-    ``gguf`` over ``int4`` for K-quant files: on the Qwen2.5-Coder 1.5B Q4_K_M target (AVX-512 BF16 EPYC, one
-    thread) T(1) 50.5 against 69.3 ms and a 5-row verify 77 against 117 ms, and greedy agreement with fp32 over 6
-    prompts x 32 tokens 0.73 of the tokens against 0.56 (its 0.5B draft: 0.88 against 0.47)."""
     name = check_dtype(name)
     if name != "auto":
         return name
@@ -76,18 +75,6 @@ def native_int4(path: str, device: str = "cpu") -> bool:
     return cpu_kernels.quant_gemm() is not None
 
 
-def native_gguf(path: str, device: str = "cpu") -> bool:
-    """Whether the model at ``path`` is a GGUF (or converted from one) whose every multiplied matrix is in a format
-    the compiled K-quant matmuls run, some of them K-quants (:func:`spec_core.gguf_weights.runs_natively`), and
-    ``device`` is a CPU where those kernels run."""
-    from spec_core import cpu_kernels
-    from spec_core.gguf_weights import native_types, runs_natively
-
-    if not str(device).startswith("cpu") or not runs_natively(native_types(str(path))):
-        return False
-    return cpu_kernels.kquant_gemm() is not None
-
-
 def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The compute dtype (activations, KV cache) for ``name``: ``int8`` and ``int4`` compute in fp32
     (:mod:`spec_core.quant`)."""
@@ -100,8 +87,8 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
 def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str:
     """The draft's dtype when a run asks for ``name``: for a weight format (int4, int8, w8a8, gguf), ``int4`` where
     the compiled quantized matmuls run (``kernels``, and :func:`spec_core.cpu_kernels.quant_gemm`), else ``auto``;
-    otherwise ``name``. Under ``gguf``, a draft at ``path`` that runs in its own formats (:func:`native_gguf`) runs
-    as ``gguf`` too.
+    otherwise ``name``. Under ``gguf``, a draft at ``path`` that runs in its own formats
+    (:func:`spec_core.gguf_weights.native_gguf`) runs as ``gguf`` too.
 
     On an int4 target the draft in int4 accepts as the draft in float does and costs a fraction of it: smollm2-draft
     on 4 HumanEval prompts x 64 greedy tokens at K = 3 accepted 0.27 against bf16's 0.28 (6 chat prompts: 0.19
@@ -113,6 +100,7 @@ def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str
     if name not in WEIGHT_ONLY:
         return name
     from spec_core import cpu_kernels
+    from spec_core.gguf_weights import native_gguf
 
     if name == "gguf" and kernels and path is not None and native_gguf(str(path)):
         return "gguf"

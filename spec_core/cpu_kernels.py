@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from spec_core.kquant import KQuantWeight
+from spec_core.kquant import KQuantGemm, KQuantWeight
 from spec_core.model_paths import cache_dir
 from spec_core.quant import RowW8A8Weight, matmul
 
@@ -169,67 +169,6 @@ class QuantGemm:
         return y
 
 
-class KQuantGemm:
-    """``kernels/kquant_gemm.c``: GGUF matrices in their own formats (:class:`~spec_core.kquant.KQuantWeight`),
-    repacked from the file's blocks, multiplied with activations quantized per row and block of 32
-    (batch-invariant). ``x``: ``[rows, in]`` fp32, contiguous; the result ``[rows, out]`` fp32."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        self._gemm, self._plain = lib.kq_gemm, lib.kq_gemm_plain
-        self._gemm.argtypes = [p, p, p, p, i, i, i, i, i]
-        self._plain.argtypes = [p, p, p, p, i, i, i, i]
-        self._pack, self._strip_bytes, self._dequant = lib.kq_pack_matrix, lib.kq_strip_bytes, lib.kq_dequant_rows
-        self._pack.argtypes = [i, p, i, i, i, p, i]
-        self._strip_bytes.argtypes = [i, i]
-        self._dequant.argtypes = [i, p, i, p, i, i, p]
-        for f in (self._gemm, self._plain, self._pack):
-            f.restype = ctypes.c_int
-        self._strip_bytes.restype = ctypes.c_int64
-        self._dequant.restype = None
-        lib.kq_simd.restype = ctypes.c_int
-        #: 2: AVX-512 VNNI, 1: AVX2, 0: the plain-C loops.
-        self.simd = lib.kq_simd()
-
-    def __call__(self, x: torch.Tensor, w) -> torch.Tensor:
-        """On :func:`gemm_threads` threads (the split over outputs changes no result)."""
-        y = x.new_empty(x.shape[0], w.out_features)
-        rc = self._gemm(x.data_ptr(), w.packed.data_ptr(), w.strips.data_ptr(), y.data_ptr(), x.shape[0],
-                        w.in_features, w.strips.shape[0], w.out_features, gemm_threads())
-        if rc != 0:
-            raise MemoryError("the K-quant matmul could not allocate its buffers")
-        return y
-
-    def plain(self, x: torch.Tensor, w) -> torch.Tensor:
-        """The same product through the plain-C loops, on this thread (what the SIMD forms must equal)."""
-        y = x.new_empty(x.shape[0], w.out_features)
-        if self._plain(x.data_ptr(), w.packed.data_ptr(), w.strips.data_ptr(), y.data_ptr(), x.shape[0],
-                       w.in_features, w.strips.shape[0], w.out_features) != 0:
-            raise MemoryError("the K-quant matmul could not allocate its buffers")
-        return y
-
-    def strip_bytes(self, fmt: int, k: int) -> int:
-        """Bytes of one packed strip of 16 outputs over ``k`` inputs (-1: not a multiple of the format's block)."""
-        return self._strip_bytes(fmt, k)
-
-    def pack(self, fmt: int, raw, k: int, empty=None) -> torch.Tensor:
-        """A GGUF matrix's rows (``raw``: uint8 ``[out, row bytes]``, a C-contiguous numpy array, such as a view of
-        the file) as packed strips, into a buffer from ``empty(nbytes)`` (default: an ordinary tensor)."""
-        size = self.strip_bytes(fmt, k)
-        nbytes = -(-raw.shape[0] // 16) * max(size, 0)
-        out = empty(nbytes) if empty is not None else torch.empty(nbytes, dtype=torch.uint8)
-        if size < 0 or self._pack(fmt, raw.ctypes.data, raw.shape[1], raw.shape[0], k, out.data_ptr(),
-                                  torch.get_num_threads()) != 0:
-            raise ValueError(f"cannot pack a {raw.shape[0]} x {k} matrix of {raw.shape[1]}-byte rows as format {fmt}")
-        return out
-
-    def dequant_rows(self, fmt: int, raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-        """Rows ``ids`` (int64, contiguous) of a GGUF matrix in fp32, the file's values bit for bit."""
-        out = torch.empty(ids.numel(), k)
-        self._dequant(fmt, raw.data_ptr(), raw.shape[1], ids.data_ptr(), ids.numel(), k, out.data_ptr())
-        return out
-
-
 _gemm = threading.local()
 
 
@@ -278,7 +217,7 @@ def kquant_gemm() -> KQuantGemm | None:
     lib = _library()
     if lib is None:
         return None
-    kernels = KQuantGemm(lib)
+    kernels = KQuantGemm(lib, gemm_threads)
     return kernels if kernels.simd else None
 
 

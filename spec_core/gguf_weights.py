@@ -64,6 +64,18 @@ def load_tensors(path: str | Path, kernels) -> dict[str, torch.Tensor | kquant.K
     return out
 
 
+def runner_tensors(path: str | Path, device: torch.device, kernels: bool) -> dict:
+    """:func:`load_tensors` for a runner on ``device``: ``ValueError`` where the compiled kernels cannot multiply
+    them (another device, ``kernels`` off, or no build with AVX-512 VNNI or AVX2)."""
+    from spec_core import cpu_kernels
+
+    gemm = cpu_kernels.kquant_gemm() if device.type == "cpu" and kernels else None
+    if gemm is None:
+        raise ValueError("dtype gguf runs on CPUs, through the compiled CPU kernels (x86 with AVX-512 VNNI, or AVX2, "
+                         "FMA and F16C, and a C compiler); use int4 or float32 here")
+    return load_tensors(path, gemm)
+
+
 def _tensor(t, name: str, rope_heads: int | None, kernels):
     """One GGUF tensor in the runner's format (see :func:`load_tensors`)."""
     from gguf import dequantize
@@ -93,6 +105,17 @@ def kquant_types(reader) -> dict[str, int]:
         if len(t.shape) == 2 and (t.name.startswith("blk.") or t.name == head):
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
     return counts
+
+
+def native_gguf(path: str, device: str = "cpu") -> bool:
+    """Whether the model at ``path`` is a GGUF (or converted from one) whose every multiplied matrix is in a format
+    the compiled K-quant matmuls run, some of them K-quants (:func:`runs_natively`), and ``device`` is a CPU where
+    those kernels run."""
+    from spec_core import cpu_kernels
+
+    if not str(device).startswith("cpu") or not runs_natively(native_types(str(path))):
+        return False
+    return cpu_kernels.kquant_gemm() is not None
 
 
 def runs_natively(types: dict[str, int]) -> bool:

@@ -68,7 +68,7 @@ class KQuantWeight:
     strips: torch.Tensor  #: int64 ``[n_strips, 4]``: byte offset, format, first output, outputs (at most 16)
     in_features: int
     out_features: int
-    gemm: object  #: the kernels, :class:`spec_core.cpu_kernels.KQuantGemm`: ``gemm(x [rows, in] fp32, w)``
+    gemm: object  #: the kernels, a :class:`KQuantGemm`: ``gemm(x [rows, in] fp32, w)``
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,7 +95,7 @@ def as_rows(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def pack(raw: np.ndarray | torch.Tensor, type_name: str, in_features: int, gemm) -> KQuantWeight:
     """A GGUF matrix (its raw blocks, ``[out, row bytes]``, of type ``type_name``) as a :class:`KQuantWeight` for
-    ``gemm`` (:func:`spec_core.cpu_kernels.kquant_gemm`)."""
+    ``gemm`` (:func:`spec_core.cpu_kernels.kquant_gemm`'s)."""
     if type_name not in FORMATS:
         raise ValueError(f"{type_name} is not a format the K-quant kernels run ({', '.join(FORMATS)})")
     fmt, rows = FORMATS[type_name], np.ascontiguousarray(raw)
@@ -121,6 +121,68 @@ def concat(parts: list[KQuantWeight]) -> KQuantWeight:
     return KQuantWeight(packed, torch.cat(tables).contiguous(), parts[0].in_features, col, parts[0].gemm)
 
 
+class KQuantGemm:
+    """``kernels/kquant_gemm.c`` through ctypes (``lib``: the CPU kernels' library): :class:`KQuantWeight` matrices
+    packed from a file's blocks, multiplied with activations quantized per row and block of 32 (batch-invariant)
+    on ``threads()`` threads. ``x``: ``[rows, in]`` fp32, contiguous; the result ``[rows, out]`` fp32."""
+
+    def __init__(self, lib: ctypes.CDLL, threads=lambda: 1) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._threads = threads
+        self._gemm, self._plain = lib.kq_gemm, lib.kq_gemm_plain
+        self._gemm.argtypes = [p, p, p, p, i, i, i, i, i]
+        self._plain.argtypes = [p, p, p, p, i, i, i, i]
+        self._pack, self._strip_bytes, self._dequant = lib.kq_pack_matrix, lib.kq_strip_bytes, lib.kq_dequant_rows
+        self._pack.argtypes = [i, p, i, i, i, p, i]
+        self._strip_bytes.argtypes = [i, i]
+        self._dequant.argtypes = [i, p, i, p, i, i, p]
+        for f in (self._gemm, self._plain, self._pack):
+            f.restype = ctypes.c_int
+        self._strip_bytes.restype = ctypes.c_int64
+        self._dequant.restype = None
+        lib.kq_simd.restype = ctypes.c_int
+        #: 2: AVX-512 VNNI, 1: AVX2, 0: the plain-C loops.
+        self.simd = lib.kq_simd()
+
+    def __call__(self, x: torch.Tensor, w: KQuantWeight) -> torch.Tensor:
+        """``x @ w`` (the split over threads changes no result)."""
+        return self._run(self._gemm, x, w, self._threads())
+
+    def plain(self, x: torch.Tensor, w: KQuantWeight) -> torch.Tensor:
+        """The same product through the plain-C loops, on this thread (what the SIMD forms must equal)."""
+        return self._run(self._plain, x, w)
+
+    @staticmethod
+    def _run(fn, x: torch.Tensor, w: KQuantWeight, *threads: int) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], w.out_features)
+        if fn(x.data_ptr(), w.packed.data_ptr(), w.strips.data_ptr(), y.data_ptr(), x.shape[0], w.in_features,
+              w.strips.shape[0], w.out_features, *threads) != 0:
+            raise MemoryError("the K-quant matmul could not allocate its buffers")
+        return y
+
+    def strip_bytes(self, fmt: int, k: int) -> int:
+        """Bytes of one packed strip of 16 outputs over ``k`` inputs (-1: not a multiple of the format's block)."""
+        return self._strip_bytes(fmt, k)
+
+    def pack(self, fmt: int, raw, k: int, empty=None) -> torch.Tensor:
+        """A GGUF matrix's rows (``raw``: uint8 ``[out, row bytes]``, a C-contiguous numpy array, such as a view of
+        the file) as packed strips, into a buffer from ``empty(nbytes)`` (default: an ordinary tensor)."""
+        size = self.strip_bytes(fmt, k)
+        nbytes = -(-raw.shape[0] // 16) * max(size, 0)
+        out = empty(nbytes) if empty is not None else torch.empty(nbytes, dtype=torch.uint8)
+        if size < 0 or self._pack(fmt, raw.ctypes.data, raw.shape[1], raw.shape[0], k, out.data_ptr(),
+                                  torch.get_num_threads()) != 0:
+            raise ValueError(f"cannot pack a {raw.shape[0]} x {k} matrix of {raw.shape[1]}-byte rows as format {fmt}")
+        return out
+
+    def dequant_rows(self, fmt: int, raw: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Rows ``ids`` (int64, contiguous) of a GGUF matrix in fp32, the file's values bit for bit."""
+        out = torch.empty(ids.numel(), k)
+        self._dequant(fmt, raw.data_ptr(), raw.shape[1], ids.data_ptr(), ids.numel(), k, out.data_ptr())
+        return out
+
+
+
 @dataclass(frozen=True, slots=True)
 class QuantEmbedding:
     """An embedding table kept in its GGUF blocks; :meth:`lookup` dequantizes the rows asked for."""
@@ -128,7 +190,7 @@ class QuantEmbedding:
     raw: torch.Tensor  #: uint8 ``[vocab, row bytes]``: the file's rows
     type_name: str
     dim: int
-    gemm: object  #: :class:`spec_core.cpu_kernels.KQuantGemm` (its exact row dequantization)
+    gemm: KQuantGemm  #: (its exact row dequantization)
 
     @property
     def shape(self) -> tuple[int, int]:

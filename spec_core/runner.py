@@ -19,11 +19,10 @@ over the full vocabulary with ``-inf`` outside the map, so the proposal q is exa
 
 Weight formats. ``weights="int8"`` or ``"int4"`` stores every weight matrix (and the LM head) in that weight-only
 format (:mod:`spec_core.quant`); the rest computes in ``dtype``. ``weights="w8a8"`` quantizes activations too, after a
-calibration pass at load (:mod:`spec_core.w8a8`). ``weights="gguf"`` reads a GGUF's matrices in the file's own
-formats, exactly (:mod:`spec_core.kquant`), with no fp32 copy.
+calibration pass at load (:mod:`spec_core.w8a8`). ``weights="gguf"``: a GGUF's own matrices (:mod:`spec_core.kquant`).
 
-A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`):
-its config and tokenizer, and its weights in fp32 unless the runner reads the file's own blocks.
+A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`),
+without fp32 weights where the runner reads the file's own blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig
 
-from spec_core import cpu_kernels, kquant
+from spec_core import cpu_kernels, gguf_weights, kquant
 from spec_core.arch import ArchSpec, load_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
@@ -147,7 +146,8 @@ class ModelRunner:
         self.device = torch.device(device)
         # Layer by layer from the host checkpoint straight to the device (and quantized there, if asked), so the
         # device's peak stays near the final weights' size.
-        raw = self._read_weights(path, kernels)
+        gguf = weights == "gguf"  # the GGUF's own blocks for the compiled kernels (:mod:`spec_core.gguf_weights`)
+        raw = gguf_weights.runner_tensors(path, self.device, kernels) if gguf else load_safetensors_dir(path)
 
         def place(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype)
@@ -200,19 +200,6 @@ class ModelRunner:
         elsewhere nothing changes. The engine holds it over a step's forward and verification."""
         return cpu_kernels.torch_ops_on_one_thread() if self.batch_invariant else contextlib.nullcontext()
 
-    def _read_weights(self, path: Path, kernels: bool) -> dict:
-        """The checkpoint's tensors: the fp32 folder's, or under ``weights="gguf"`` the GGUF's own blocks
-        (:mod:`spec_core.gguf_weights`), which only the compiled CPU kernels multiply."""
-        if self.weights != "gguf":
-            return load_safetensors_dir(path)
-        from spec_core import gguf_weights
-
-        gemm = cpu_kernels.kquant_gemm() if self.device.type == "cpu" and kernels else None
-        if gemm is None:
-            raise ValueError("dtype gguf runs on CPUs, through the compiled CPU kernels (x86 with AVX-512 VNNI, or "
-                             "AVX2, FMA and F16C, and a C compiler); use int4 or float32 here")
-        return gguf_weights.load_tensors(path, gemm)
-
     def _head(self, raw: dict, place) -> Weight:
         """The LM head (the embedding where tied), cut to the draft's token map where it has one."""
         head_raw = raw.pop("lm_head.weight", None)
@@ -220,12 +207,10 @@ class ModelRunner:
         if self.token_map is not None:
             self.token_map = self.token_map.to(self.device)
         head = self.embed if self.spec.tie_embeddings or head_raw is None else head_raw
-        if isinstance(head, kquant.QuantEmbedding):
-            head = head.as_matrix()
-        if isinstance(head, kquant.KQuantWeight):
+        if isinstance(head, (kquant.QuantEmbedding, kquant.KQuantWeight)):  # a GGUF's own blocks
             if self.token_map is not None:
                 raise ValueError("dtype gguf does not cut an output layer to a token map; use int4 for this draft")
-            return head
+            return head.as_matrix() if isinstance(head, kquant.QuantEmbedding) else head
         head = head if head is self.embed else place(head)
         if self.token_map is not None:
             head = head[self.token_map]

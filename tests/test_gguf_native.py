@@ -102,7 +102,8 @@ def test_a_matrix_in_another_type_is_refused_in_one_line(fields, tmp_path):
 
 def test_the_draft_under_gguf_runs_its_own_formats_where_it_has_them(tiny, toy_pair):
     """A K-quant GGUF draft under a gguf target is gguf too; a draft folder without a GGUF behind it is int4."""
-    from spec_core.config import ModelConfig, draft_dtype, native_gguf
+    from spec_core.config import ModelConfig, draft_dtype
+    from spec_core.gguf_weights import native_gguf
 
     path, folder = tiny
     assert native_gguf(str(path)) and native_gguf(str(folder))

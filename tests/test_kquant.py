@@ -61,12 +61,12 @@ def reference(x: torch.Tensor, raw: np.ndarray, type_name: str) -> tuple[torch.T
     return xq @ w.t(), xq.abs() @ w.abs().t()
 
 
-def _build(tmp_path, flags: list[str], name: str) -> cpu_kernels.KQuantGemm:
+def _build(tmp_path, flags: list[str], name: str) -> kquant.KQuantGemm:
     cc = shutil.which("cc") or shutil.which("gcc")
     out = tmp_path / f"{name}.so"
     sources = [str(p) for p in cpu_kernels.SOURCES if p.name in ("quant_gemm.c", "kquant_gemm.c")]
     subprocess.run([cc, *flags, "-shared", "-fPIC", "-pthread", "-o", str(out), *sources, "-lm"], check=True)
-    return cpu_kernels.KQuantGemm(ctypes.CDLL(str(out)))
+    return kquant.KQuantGemm(ctypes.CDLL(str(out)))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
