@@ -81,6 +81,8 @@ class RunAheadDrafter:
         #: Seconds spent in draft forwards so far (the drafter's busy time), and steps taken.
         self.busy_s = 0.0
         self.steps = 0
+        #: Whether the last step fed one token per request (a pure decode step, whose time is comparable).
+        self.last_step_decode = False
         self.out_of_blocks = 0
         #: Sampled chains draw from the plain q: Saguaro's down-weighting serves a fan-out this drafter has not.
         self._pick = replace(config, saguaro_c=1.0)
@@ -123,6 +125,7 @@ class RunAheadDrafter:
         t0 = time.perf_counter()
         rows = [DraftRow(r.tokens, r.num_computed, 1,
                          lambda a, b, rid=r.seq.request_id: self.blocks.slots(rid, a, b)) for r in reqs]
+        self.last_step_decode = all(len(row.token_ids) - row.num_computed == 1 for row in rows)
 
         def sample(idx: list[int], logits: torch.Tensor, width: int, depth: int):
             out = []
@@ -196,6 +199,10 @@ class RunAheadLoop:
             self.handle(events)
             if self.borrowing is not None:
                 self.borrowing.before_step()
-            for update in self.drafter.step():
+            t0 = time.perf_counter()
+            updates = self.drafter.step()
+            if self.borrowing is not None and updates and self.drafter.last_step_decode:
+                self.borrowing.observe(time.perf_counter() - t0)
+            for update in updates:
                 self.link.send(update)
             self.link.flush()

@@ -132,7 +132,7 @@ def test_run_ahead_ssd_reproduces_a_seeded_sampled_request(tiny_models) -> None:
 
 
 @two_cores
-def test_the_drafter_borrows_the_verifier_core_only_while_the_flag_is_up() -> None:
+def test_the_drafter_borrows_the_verifier_core_while_the_flag_is_up_and_it_pays() -> None:
     import multiprocessing as mp
 
     from drafter_service.core_borrowing import CoreBorrowing
@@ -152,6 +152,17 @@ def test_the_drafter_borrows_the_verifier_core_only_while_the_flag_is_up() -> No
         flag.value = 0
         b.before_step()
         assert os.sched_getaffinity(0) == {cores[1]} and torch.get_num_threads() == 1 and b.borrowed_steps == 1
+        # measured: two cores slower than one, so a raised flag keeps the drafter on its own core ...
+        b.observe(0.010)
+        b.step_s[True] = 0.020
+        flag.value = 1
+        b._steps = 1
+        b.before_step()
+        assert os.sched_getaffinity(0) == {cores[1]} and b.borrowed_steps == 1
+        # ... and two cores faster: it borrows
+        b.step_s[True] = 0.006
+        b.before_step()
+        assert os.sched_getaffinity(0) == set(cores) and b.borrowed_steps == 2
     finally:
         os.sched_setaffinity(0, old_aff)
         torch.set_num_threads(old_threads)
