@@ -49,15 +49,15 @@ def native_bf16(device: str = "cpu") -> bool:
 def resolve_dtype(name: str, device: str = "cpu", path: str | None = None, kernels: bool = True) -> str:
     """The concrete dtype name. ``auto`` becomes, on a CPU with the compiled kernels (``kernels``), the model's own
     format where ``path`` is a quantized GGUF or converted from one: ``gguf`` for a file of K-quants (and Q5_0,
-    Q8_0) the kernels run exactly (:func:`native_gguf`), ``int4`` for another 4-bit file (the fastest dtype on every
-    CPU measured, and what llama.cpp users run); else ``bfloat16`` where :func:`native_bf16`, else ``float32``.
-    (``gguf`` over ``int4``: faster and closer to fp32 on the Qwen2.5-Coder pair, docs/models.md.)"""
+    Q8_0) on a CPU with AVX-512 VNNI (:func:`spec_core.gguf_weights.native_gguf`: there faster than int4 and closer
+    to fp32 on the Qwen2.5-Coder pair, docs/models.md), else ``int4`` for a 4-bit file (the fastest dtype on every
+    CPU measured, and what llama.cpp users run); else ``bfloat16`` where :func:`native_bf16`, else ``float32``."""
     from spec_core.gguf_weights import native_gguf
 
     name = check_dtype(name)
     if name != "auto":
         return name
-    if path is not None and kernels and native_gguf(path, device):
+    if path is not None and kernels and native_gguf(path, device, vnni=True):
         return "gguf"
     if path is not None and kernels and native_int4(path, device):
         return "int4"

@@ -107,15 +107,17 @@ def kquant_types(reader) -> dict[str, int]:
     return counts
 
 
-def native_gguf(path: str, device: str = "cpu") -> bool:
+def native_gguf(path: str, device: str = "cpu", vnni: bool = False) -> bool:
     """Whether the model at ``path`` is a GGUF (or converted from one) whose every multiplied matrix is in a format
     the compiled K-quant matmuls run, some of them K-quants (:func:`runs_natively`), and ``device`` is a CPU where
-    those kernels run."""
+    those kernels run (``vnni``: with AVX-512 VNNI, where they were measured faster than int4's; the AVX2 form, run
+    on the same EPYC, took about twice as long a row and was not measured on an AVX2-only CPU)."""
     from spec_core import cpu_kernels
 
     if not str(device).startswith("cpu") or not runs_natively(native_types(str(path))):
         return False
-    return cpu_kernels.kquant_gemm() is not None
+    kernels = cpu_kernels.kquant_gemm()
+    return kernels is not None and (not vnni or kernels.simd == 2)
 
 
 def runs_natively(types: dict[str, int]) -> bool:
