@@ -144,16 +144,14 @@ class ModelRunner:
         self.spec = ArchSpec.from_hf(self.hf_config)
         self.dtype = dtype
         self.device = torch.device(device)
-        # Layer by layer from the host checkpoint straight to the device (and quantized there, if asked), so the
-        # device's peak stays near the final weights' size.
-        gguf = weights == "gguf"  # the GGUF's own blocks for the compiled kernels (:mod:`spec_core.gguf_weights`)
-        raw = gguf_weights.runner_tensors(path, self.device, kernels) if gguf else load_safetensors_dir(path)
+        # Layer by layer from the host checkpoint (fp32, or a GGUF's own blocks: :mod:`spec_core.gguf_weights`)
+        # straight to the device (and quantized there, if asked), so the device's peak stays near the weights' size.
+        raw = gguf_weights.runner_tensors(path, self.device, kernels) if weights == "gguf" else load_safetensors_dir(path)
 
-        def place(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=dtype)
+        def place(t):  # a tensor to the device in the compute dtype; a GGUF's own blocks stay as they are
+            return t.to(device=self.device, dtype=dtype) if isinstance(t, torch.Tensor) else t
 
-        embed = raw.pop("model.embed_tokens.weight")
-        self.embed = embed if isinstance(embed, kquant.QuantEmbedding) else place(embed)
+        self.embed = place(raw.pop("model.embed_tokens.weight"))
         self.lm_head = self._head(raw, place)
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
         #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement. A
