@@ -233,7 +233,7 @@ class _RunAheadLoopback:
 
 
 def _sampled_run(pair, steps: int, false_q: bool = False):
-    from test_ssd_distribution import PROMPT, TEMP, VOCAB, K, M, N
+    from test_ssd_distribution import VOCAB, K, sample_requests
 
     from drafter_service.run_ahead import RunAheadDrafter
     from verifier_service.engine import EngineConfig, VerifierEngine
@@ -254,13 +254,7 @@ def _sampled_run(pair, steps: int, false_q: bool = False):
     proposer = RunAheadProposer(_RunAheadLoopback(drafter, steps), VOCAB, wait_fraction=0.5, backup_policy="neural")
     engine = VerifierEngine(target, EngineConfig(8192, 8, SchedulerConfig(max_num_seqs=512, max_spec_nodes=K),
                                                  sampling="residual"), drafter=proposer, k=K)
-    seqs = [Sequence(str(i), PROMPT, SamplingParams(temperature=TEMP, seed=i, max_new_tokens=M, ignore_eos=True))
-            for i in range(N)]
-    for s in seqs:
-        engine.add(s)
-    engine.run()
-    engine.blocks.check_all_free()
-    return torch.tensor([s.output_ids for s in seqs]), proposer.stats
+    return sample_requests(engine), proposer.stats
 
 
 @pytest.mark.parametrize("steps", [5, 1])

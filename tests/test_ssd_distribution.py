@@ -81,13 +81,19 @@ def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, back
                                                  sibling_recursion=sibling_recursion, sampling=sampling,
                                                  couple_by_position=couple_by_position),
                             drafter=proposer, k=K)
+    return sample_requests(engine), proposer.stats
+
+
+def sample_requests(engine: VerifierEngine) -> torch.Tensor:
+    """``N`` seeded requests of ``M`` tokens at ``TEMP`` after ``PROMPT`` through ``engine``: their tokens
+    ``[N, M]``; every K/V block is free afterwards."""
     seqs = [Sequence(str(i), PROMPT, SamplingParams(temperature=TEMP, seed=i, max_new_tokens=M, ignore_eos=True))
             for i in range(N)]
     for s in seqs:
         engine.add(s)
     engine.run()
     engine.blocks.check_all_free()
-    return torch.tensor([s.output_ids for s in seqs]), proposer.stats
+    return torch.tensor([s.output_ids for s in seqs])
 
 
 def pvalue(a: torch.Tensor, b: torch.Tensor, table: torch.Tensor) -> float:
