@@ -94,8 +94,9 @@ def test_served_chat_uses_chatml(paths) -> None:
 
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     tok = load_tokenizer(resolve_model(paths["target"], weights=False))
-    chatml = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert tok.decode(chatml).startswith("<|im_start|>system")  # the GGUF's own template: ChatML
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")  # ChatML
+    chatml = tok(text, add_special_tokens=False)["input_ids"]
     proc, info = start_served("--pair", "qwen2.5-coder-1.5b", timeout_s=600)
     try:
         with OpenAI(base_url=f"http://{info['verifier']['http_address']}/v1", api_key="unused", max_retries=0,
