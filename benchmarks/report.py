@@ -187,7 +187,18 @@ def what_ran(mode: str, settings: BenchSettings, target: ModelConfig, draft: Mod
         "cores": 2 if two else settings.target_threads,
         "link": {"sd": "in-process", "ssd-service": "gRPC"}.get(base, "pipe" if base in LOCAL_SSD_MODES else None),
         "lending": settings.lend_cores if base in LOCAL_SSD_MODES else False,
+        # the draft's LM head over this many frequent ids (0: whole; :mod:`spec_core.draft_vocab`)
+        "draft_head_vocab": _head_vocab(draft) if ours and speculates and draft is not None else None,
     }
+
+
+def _head_vocab(draft: ModelConfig) -> int | None:
+    from spec_core.models import draft_head_vocab
+
+    try:
+        return draft_head_vocab(draft)
+    except (OSError, ValueError):
+        return None
 
 
 def _run_key(run: dict) -> tuple[int | None, int]:

@@ -55,6 +55,8 @@ class LocalSSDConfig:
     draft_pad_rows: bool = True
     #: The compiled small ops for the drafter's runner (:mod:`spec_core.cpu_kernels`).
     draft_cpu_kernels: bool = True
+    #: The draft head's vocabulary (``ModelConfig.head_vocab``; None: auto, :mod:`spec_core.draft_vocab`).
+    draft_head_vocab: int | None = None
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
     #: How sampled requests draw (``EngineConfig.sampling``: auto, residual or coupled).
@@ -93,7 +95,8 @@ class LocalSSD:
             DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
                                  dtype=cfg.draft_dtype or self._default_draft_dtype(),
                                  device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows,
-                                 cpu_kernels=cfg.draft_cpu_kernels, lend_core=lend),
+                                 cpu_kernels=cfg.draft_cpu_kernels, lend_core=lend,
+                                 head_vocab=cfg.draft_head_vocab),
             hello, waiting=self._waiting,
         )
 

@@ -153,11 +153,13 @@ class DrafterProcessConfig:
     tree_delay_s: float = 0.0
     #: Run-ahead drafting on a CPU: the verifier's core, borrowed while the verifier waits (None: never).
     lend_core: int | None = None
+    #: The draft head's vocabulary (``ModelConfig.head_vocab``; None: auto).
+    head_vocab: int | None = None
 
     def model(self) -> ModelConfig:
         """The draft as a :class:`ModelConfig`: a weight format (``w8a8`` under an int4 target) is a format, not
         only a compute dtype."""
-        return ModelConfig(self.draft_path, self.dtype, self.device, self.pad_rows, self.cpu_kernels)
+        return ModelConfig(self.draft_path, self.dtype, self.device, self.pad_rows, self.cpu_kernels, self.head_vocab)
 
 
 class DrafterLoop:

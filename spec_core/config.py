@@ -39,9 +39,14 @@ class ModelConfig:
     pad_rows: bool = True
     #: Run the decoder's small ops as compiled CPU loops (:mod:`spec_core.cpu_kernels`; never for fp32).
     cpu_kernels: bool = True
+    #: A draft's LM head over this many of the most frequent token ids (0: all; None: auto, see
+    #: :mod:`spec_core.draft_vocab`). Never a target's: its logits are the output distribution.
+    head_vocab: int | None = None
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        if self.head_vocab is not None and self.head_vocab < 0:
+            raise ValueError(f"head_vocab must be a count of token ids (0: all), got {self.head_vocab}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

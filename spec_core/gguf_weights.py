@@ -24,6 +24,7 @@ from spec_core.model_paths import ModelLoadError, is_gguf
 logger = logging.getLogger(__name__)
 
 EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
 
 
 def gguf_source(path: str | Path) -> Path | None:
@@ -38,11 +39,13 @@ def gguf_source(path: str | Path) -> Path | None:
     return None
 
 
-def load_tensors(path: str | Path, kernels) -> dict[str, torch.Tensor | kquant.KQuantWeight | kquant.QuantEmbedding]:
+def load_tensors(path: str | Path, kernels, head_rows: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor | kquant.KQuantWeight | kquant.QuantEmbedding]:
     """Every tensor of the GGUF behind ``path`` with transformers' names: matrices as
     :class:`~spec_core.kquant.KQuantWeight` for ``kernels`` (:func:`spec_core.cpu_kernels.kquant_gemm`), the
     embedding as a :class:`~spec_core.kquant.QuantEmbedding` (fp32 where its type is not one the kernels read),
-    vectors in fp32. ``ModelLoadError`` for a matrix in a type the kernels do not run."""
+    vectors in fp32; an output layer of the ids ``head_rows`` only, where given. ``ModelLoadError`` for a matrix in
+    a type the kernels do not run."""
     source = gguf_source(path)
     if source is None:
         raise ModelLoadError(f"dtype gguf reads a GGUF file's own blocks, and {path} is not (or not converted from) "
@@ -59,12 +62,12 @@ def load_tensors(path: str | Path, kernels) -> dict[str, torch.Tensor | kquant.K
         name = hf_name(t.name)
         rope_heads = (heads if "q_proj" in name else kv_heads) if arch == "llama" and name.endswith(
             ("q_proj.weight", "k_proj.weight")) else None
-        out[name] = _tensor(t, name, rope_heads, kernels)
+        out[name] = _tensor(t, name, rope_heads, kernels, head_rows if name == HEAD else None)
     logger.info("read %s in its own formats in %.1f s", source.name, time.perf_counter() - start)
     return out
 
 
-def runner_tensors(path: str | Path, device: torch.device, kernels: bool) -> dict:
+def runner_tensors(path: str | Path, device: torch.device, kernels: bool, head_rows: torch.Tensor | None = None) -> dict:
     """:func:`load_tensors` for a runner on ``device``: ``ValueError`` where the compiled kernels cannot multiply
     them (another device, ``kernels`` off, or no build with AVX-512 VNNI or AVX2)."""
     from spec_core import cpu_kernels
@@ -73,11 +76,12 @@ def runner_tensors(path: str | Path, device: torch.device, kernels: bool) -> dic
     if gemm is None:
         raise ValueError("dtype gguf runs on CPUs, through the compiled CPU kernels (x86 with AVX-512 VNNI, or AVX2, "
                          "FMA and F16C, and a C compiler); use int4 or float32 here")
-    return load_tensors(path, gemm)
+    return load_tensors(path, gemm, head_rows)
 
 
-def _tensor(t, name: str, rope_heads: int | None, kernels):
-    """One GGUF tensor in the runner's format (see :func:`load_tensors`)."""
+def _tensor(t, name: str, rope_heads: int | None, kernels, rows_kept: torch.Tensor | None = None):
+    """One GGUF tensor in the runner's format (see :func:`load_tensors`), of the output rows ``rows_kept`` only
+    where given."""
     from gguf import dequantize
 
     type_name = t.tensor_type.name
@@ -85,6 +89,8 @@ def _tensor(t, name: str, rope_heads: int | None, kernels):
         return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
     inp = int(t.shape[0])
     rows = t.data if rope_heads is None else unpermute_rope(t.data, rope_heads)  # a permutation of whole rows
+    if rows_kept is not None:
+        rows = np.asarray(rows)[rows_kept.numpy()]
     if name == EMBEDDING and type_name in kquant.FORMATS:  # a copy: the table outlives the file's mapping
         return kquant.QuantEmbedding(torch.from_numpy(np.array(rows)), type_name, inp, kernels)
     if name == EMBEDDING:

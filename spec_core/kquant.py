@@ -205,6 +205,7 @@ class QuantEmbedding:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
         return self.gemm.dequant_rows(FORMATS[self.type_name], self.raw, flat, self.dim).view(*ids.shape, self.dim)
 
-    def as_matrix(self) -> KQuantWeight:
-        """The table as an output layer (a tied LM head)."""
-        return pack(self.raw, self.type_name, self.dim, self.gemm)
+    def as_matrix(self, rows: torch.Tensor | None = None) -> KQuantWeight:
+        """The table as an output layer (a tied LM head), of the ids ``rows`` only where given."""
+        raw = self.raw if rows is None else self.raw[rows.cpu()]
+        return pack(raw.numpy(), self.type_name, self.dim, self.gemm)

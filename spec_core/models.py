@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from spec_core import draft_vocab
+from spec_core.arch import TOKEN_MAP_FILE, ArchSpec
 from spec_core.config import ModelConfig
 from spec_core.model_paths import ModelLoadError, check_model_dir, resolve_model
 from spec_core.runner import ModelRunner
@@ -32,13 +34,39 @@ def vocab_hash(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def load_runner(cfg: ModelConfig, reference: bool = True) -> ModelRunner:
-    """The runner for ``cfg``; ``reference=False`` for a draft (see :class:`ModelRunner`)."""
+    """The runner for ``cfg``; ``reference=False`` for a draft (see :class:`ModelRunner`), whose head may be cut to
+    its most frequent tokens (:func:`draft_head_map`)."""
     path = check_model_dir(cfg.path)
+    token_map = None if reference else draft_head_map(cfg)
     try:
         return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights, pad_rows=cfg.pad_rows,
-                           kernels=cfg.cpu_kernels, reference=reference)
+                           kernels=cfg.cpu_kernels, reference=reference, token_map=token_map)
     except (KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
+
+
+def draft_head_vocab(cfg: ModelConfig) -> int:
+    """How many of the most frequent token ids a draft's head keeps (0: its whole vocabulary, also for a draft
+    trained on a token map of its own, or one without a tokenizer to count with; :mod:`spec_core.draft_vocab`)."""
+    folder = resolve_model(cfg.path, weights=False)
+    if (folder / TOKEN_MAP_FILE).is_file() or not (folder / "tokenizer_config.json").is_file():
+        if cfg.head_vocab:
+            raise ModelLoadError(f"a draft head vocabulary needs a draft with its tokenizer and no token map of its "
+                                 f"own; {cfg.path} has {'a token map' if (folder / TOKEN_MAP_FILE).is_file() else 'no tokenizer'}")
+        return 0
+    return draft_vocab.resolve_head_vocab(cfg.head_vocab, ArchSpec.from_hf(AutoConfig.from_pretrained(str(folder))).vocab_size)
+
+
+def draft_head_map(cfg: ModelConfig) -> torch.Tensor | None:
+    """The token ids a draft's head keeps (:func:`draft_head_vocab` of them and the special ones), or None for its
+    whole vocabulary."""
+    n = draft_head_vocab(cfg)
+    if not n:
+        return None
+    folder = resolve_model(cfg.path, weights=False)
+    tokenizer = load_tokenizer(folder)
+    vocab_size = ArchSpec.from_hf(AutoConfig.from_pretrained(str(folder))).vocab_size
+    return draft_vocab.draft_token_map(tokenizer, vocab_hash(tokenizer), n, vocab_size)
 
 
 def eos_token_ids(runner: ModelRunner, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -72,9 +72,11 @@ def random_matrix(type_name: str, rows: int, cols: int, rng: np.random.Generator
     return gguf.quantize(w, gguf.GGMLQuantizationType[type_name])
 
 
-def write_tiny_qwen2(path: Path, fields: dict, types: dict[str, str], layers: int = 2, seed: int = 7) -> None:
+def write_tiny_qwen2(path: Path, fields: dict, types: dict[str, str], layers: int = 2, seed: int = 7,
+                     tied: bool = False) -> None:
     """A tiny random qwen2 model at ``path``; ``types`` maps a tensor's short name (``token_embd``, ``output``,
-    ``attn_q`` ... ``ffn_down``, or ``blk.N.attn_q`` for one layer) to its GGML type."""
+    ``attn_q`` ... ``ffn_down``, or ``blk.N.attn_q`` for one layer) to its GGML type. ``tied``: no output layer
+    (the embedding is the LM head)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -99,7 +101,8 @@ def write_tiny_qwen2(path: Path, fields: dict, types: dict[str, str], layers: in
 
     mat("token_embd.weight", "token_embd", vocab, HIDDEN, std=1.0)
     vec("output_norm.weight", HIDDEN)
-    mat("output.weight", "output", vocab, HIDDEN, std=0.2)
+    if not tied:
+        mat("output.weight", "output", vocab, HIDDEN, std=0.2)
     for i in range(layers):
         vec(f"blk.{i}.attn_norm.weight", HIDDEN)
         vec(f"blk.{i}.ffn_norm.weight", HIDDEN)
