@@ -64,9 +64,16 @@ def link_security(host: str, public: dict) -> LinkSecurity:
     it must name the drafter's address (self-signed, or with the node IPs among its subject names)."""
     if is_loopback(host):
         return LinkSecurity()
+    server = public_tls(public)
+    client = TLSFiles(server.cert, server.key, ca=server.cert) if server else None
+    return LinkSecurity(server, client, public.get("auth_token_file"), public.get("auth_token_env"))
+
+
+def public_tls(public: dict) -> TLSFiles | None:
+    """The public API's certificate and key (None: plaintext). The launcher's health check trusts the certificate
+    itself, as the link does, so it must name the address the verifier reports."""
     cert, key = public.get("tls_cert"), public.get("tls_key")
-    tls = (TLSFiles(cert, key), TLSFiles(cert, key, ca=cert)) if cert and key else (None, None)
-    return LinkSecurity(tls[0], tls[1], public.get("auth_token_file"), public.get("auth_token_env"))
+    return TLSFiles(cert, key) if cert and key else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +255,7 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
         d_addr = ray.get(drafter.address.remote(), timeout=cfg.start_timeout_s)
         ray.get(drafter.check_health.remote(), timeout=30)
         address = ray.get(verifier.address.remote(), timeout=cfg.start_timeout_s)
-        check_health(address, "ssd.v1.Generation")
+        check_health(address, "ssd.v1.Generation", tls=public_tls(cfg.extra_verifier))
     except BaseException:
         release(pg, (verifier, drafter))
         raise
