@@ -15,7 +15,8 @@ from spec_core.config import SamplingParams
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
 from verifier_service.adaptive import AdaptiveK
-from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.engine import VerifierEngine
+from verifier_service.engine_builder import EnginePlan, build_engine
 from verifier_service.scheduler import SchedulerConfig
 
 
@@ -30,8 +31,7 @@ def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=Non
         from spec_core.draft_engine import BatchDrafter, DraftConfig
 
         drafter = BatchDrafter(pair.draft, DraftConfig(k=k, num_blocks=4096))
-    sched = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=max(k, 1))
-    return VerifierEngine(pair.target, EngineConfig(4096, 16, sched), drafter=drafter, k=k if drafter else 0)
+    return build_engine(pair.target, EnginePlan(4096, 16, concurrency, k=k), drafter)
 
 
 def run_concurrent(pair: LoadedPair, mode: str, prompts: list[list[int]], params: list[SamplingParams], k: int,

@@ -11,7 +11,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from cluster.offline_batch import build_engine
+from cluster.offline_batch import batch_engine
 from spec_core import chat
 from spec_core.config import ModelConfig, SamplingParams
 from spec_core.models import load_pair, set_threads
@@ -34,7 +34,7 @@ class VerifierBenchSettings:
 
 def run_one(pair, prompts: list[list[int]], batch: int, shape: str, max_new: int) -> dict:
     k, branching = SHAPES[shape]
-    engine = build_engine(pair, BatchSettings(mode="sd", concurrency=batch, k=k, branching=branching))
+    engine = batch_engine(pair, BatchSettings(mode="sd", concurrency=batch, k=k, branching=branching))
     for i, ids in enumerate(prompts[:batch]):
         engine.add(Sequence(str(i), ids, SamplingParams(max_new_tokens=max_new, ignore_eos=True)))
     # warm-up step (first prefill) excluded from the timing window

@@ -24,9 +24,9 @@ from spec_core.arch import decode_params
 from spec_core.config import SSDConfig, draft_dtype
 from spec_core.runner import ModelRunner
 from verifier_service.core_lending import core_lending
-from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.engine import VerifierEngine
+from verifier_service.engine_builder import EnginePlan, build_engine
 from verifier_service.run_ahead_proposer import RunAheadProposer
-from verifier_service.scheduler import SchedulerConfig
 from verifier_service.ssd_proposer import SSDProposer
 
 logger = logging.getLogger(__name__)
@@ -134,19 +134,13 @@ class LocalSSD:
             proposer = RunAheadProposer(self.link, self.target.vocab_size, waiting=self._waiting, **common)
         else:
             proposer = SSDProposer(self.link, self.target.vocab_size, **common)
-        sched = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_spec_nodes=cfg.ssd.max_nodes)
-        self.engine = VerifierEngine(self.target, EngineConfig(cfg.num_blocks, cfg.block_size, sched,
-                                                               verify_delay_s=cfg.verify_delay_s,
-                                                               sampling=cfg.sampling),
-                                     drafter=proposer, k=cfg.ssd.k)
+        plan = EnginePlan(cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, k=cfg.ssd.k, max_spec_nodes=cfg.ssd.max_nodes,
+                          sampling=cfg.sampling, adaptive_k=cfg.adaptive_k, verify_delay_s=cfg.verify_delay_s)
         if cfg.adaptive_k and self.strategy == "run-ahead":
             logger.info("run-ahead drafting keeps K fixed at %d (the planner's costs model a fan-out drafter)", cfg.ssd.k)
-        elif cfg.adaptive_k:
-            from verifier_service.adaptive import AdaptiveK
-
-            self.engine.adaptive = AdaptiveK(k_max=cfg.ssd.k)
-        if cfg.lend_cores:
-            self.engine.lending = core_lending(cfg.verifier_core, self.drafter_info.get("affinity", []), self.target)
+        lending = (core_lending(cfg.verifier_core, self.drafter_info.get("affinity", []), self.target)
+                   if cfg.lend_cores else None)
+        self.engine = build_engine(self.target, plan, proposer, lending)
         if self.engine.lending is not None:
             with self.engine.lending.lent():
                 self.target.row_padding()  # measured per thread count: now, not in the first lent step

@@ -20,22 +20,22 @@ from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
 from verifier_service.batch_requests import BatchSettings
-from verifier_service.engine import EngineConfig, VerifierEngine
-from verifier_service.scheduler import SchedulerConfig
+from verifier_service.engine import VerifierEngine
+from verifier_service.engine_builder import EnginePlan, build_engine
 
 logger = logging.getLogger(__name__)
 
 
-def build_engine(pair: LoadedPair, settings: BatchSettings) -> VerifierEngine:
+def batch_engine(pair: LoadedPair, settings: BatchSettings) -> VerifierEngine:
     drafter = None
     if settings.mode == "sd":
         if pair.draft is None:
             raise ValueError("mode sd needs a draft model")
         drafter = BatchDrafter(pair.draft, DraftConfig(k=settings.k, branching=settings.branching,
                                                        num_blocks=settings.num_blocks, block_size=settings.block_size))
-    sched = SchedulerConfig(max_num_seqs=settings.concurrency, max_spec_nodes=settings.k * settings.branching)
-    config = EngineConfig(num_blocks=settings.num_blocks, block_size=settings.block_size, scheduler=sched)
-    return VerifierEngine(pair.target, config, drafter=drafter, k=settings.k)
+    plan = EnginePlan(settings.num_blocks, settings.block_size, settings.concurrency, k=settings.k,
+                      max_spec_nodes=settings.k * settings.branching)
+    return build_engine(pair.target, plan, drafter)
 
 
 def make_sequences(pair: LoadedPair, rows: list[tuple[str, object, SamplingParams]]) -> list[Sequence]:
@@ -84,7 +84,7 @@ def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: Bat
             summary = _run_engine(local.engine, seqs, output_path)
             summary["cache_hit_rate"] = local.proposer.stats.cache_hit_rate
             return summary
-    return _run_engine(build_engine(pair, settings), seqs, output_path)
+    return _run_engine(batch_engine(pair, settings), seqs, output_path)
 
 
 def _run_engine(engine: VerifierEngine, seqs: list[Sequence], output_path: Path) -> dict:

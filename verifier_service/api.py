@@ -17,8 +17,8 @@ from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.metrics import DecodeStats
 from spec_core.models import LoadedPair, load_pair
 from spec_core.sequence import Sequence
-from verifier_service.engine import EngineConfig, VerifierEngine
-from verifier_service.scheduler import SchedulerConfig
+from verifier_service.engine import VerifierEngine
+from verifier_service.engine_builder import blocks_for_one, build_engine, plan_for_one
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +58,10 @@ class GenerationResult:
 RUNTIME = "verifier-engine"
 
 
-def blocks_for_one(runner, k: int, block_size: int = 16) -> int:
-    """KV blocks for one request of ``runner``'s full context plus a ``k``-token speculation."""
-    return -(-(runner.spec.max_positions + k + 1) // block_size) + 1
-
-
-def engine_for_one(target, drafter: BatchDrafter | None, k: int, block_size: int = 16) -> VerifierEngine:
+def engine_for_one(target, drafter: BatchDrafter | None, k: int, block_size: int = 16,
+                   adaptive_k: bool = False) -> VerifierEngine:
     """A batch-1 engine whose KV pool holds one request of the model's full context (and its speculation)."""
-    tokens = target.spec.max_positions + k + 1
-    blocks = blocks_for_one(target, k, block_size)
-    sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max(2048, tokens), max_spec_nodes=k)
-    return VerifierEngine(target, EngineConfig(num_blocks=blocks, block_size=block_size, scheduler=sched),
-                          drafter=drafter, k=k)
+    return build_engine(target, plan_for_one(target, k, block_size, adaptive_k), drafter)
 
 
 class Generator:
@@ -112,12 +104,7 @@ class Generator:
             if mode == "sd":
                 draft = self.pair.draft
                 drafter = BatchDrafter(draft, DraftConfig(k=k, num_blocks=blocks_for_one(draft, k), block_size=16))
-            engine = engine_for_one(self.pair.target, drafter, key[1])
-            if drafter is not None and self.adaptive and k > 0:
-                from verifier_service.adaptive import AdaptiveK
-
-                engine.adaptive = AdaptiveK(k_max=k)
-            self._engines[key] = engine
+            self._engines[key] = engine_for_one(self.pair.target, drafter, key[1], adaptive_k=self.adaptive)
         return self._engines[key]
 
     def generate(

@@ -108,7 +108,9 @@ Proposer = Callable[[list[Sequence], list[int]], list[TokenTree]]
 class VerifierEngine:
     """Continuous-batching verifier over a paged KV cache. ``drafter`` is None for plain AR decoding."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter=None, k: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter=None, k: int = 0, adaptive=None,
+                 lending=None) -> None:
+        """Built by :func:`verifier_service.engine_builder.build_engine` (outside tests)."""
         self.runner = runner
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
@@ -119,9 +121,9 @@ class VerifierEngine:
             drafter.max_nodes = config.scheduler.max_spec_nodes  # the slots reserved per round bound a tree's size
         self.k = k if drafter is not None else 0
         #: Optional :class:`verifier_service.adaptive.AdaptiveK`: K per request and step from measured costs.
-        self.adaptive = None
+        self.adaptive = adaptive
         #: Optional :class:`verifier_service.core_lending.CoreLending`: plain steps on the drafter's core too.
-        self.lending = None
+        self.lending = lending
         self.metrics = EngineMetrics()
 
     # ---- request lifecycle ---------------------------------------------------------------------------------

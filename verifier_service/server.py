@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -23,7 +23,8 @@ from spec_core.chat import Prompt
 from spec_core.config import CacheConfig, ModelConfig, SpeculationConfig
 from spec_core.kv_budget import pool_blocks
 from spec_core.models import load_pair, vocab_hash
-from verifier_service.engine import EngineConfig, VerifierEngine
+from verifier_service.engine import VerifierEngine
+from verifier_service.engine_builder import EnginePlan, build_engine
 from verifier_service.run_ahead_proposer import RunAheadProposer
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.service import EngineLoop
@@ -206,19 +207,13 @@ class VerifierServer:
                                  cache.block_size, draft.device, 2048)
             proposer = BatchDrafter(draft, DraftConfig(k=sp.k, num_blocks=blocks, block_size=cache.block_size))
         nodes = sp.tree.max_nodes(sp.k) if sp.mode == "ssd" else sp.k * branching
-        sched = replace(c.scheduler, max_spec_nodes=max(1, nodes))
         target = self.pair.target
         blocks = pool_blocks(cache.num_blocks, cache.kv_memory_fraction, target.kv_bytes_per_token(),
                              cache.block_size, target.device, 2048)
         logger.info("verifier KV pool: %d blocks of %d tokens", blocks, cache.block_size)
-        engine = VerifierEngine(target, EngineConfig(blocks, cache.block_size, sched, sampling=sp.sampling),
-                                drafter=proposer,
-                                k=sp.k if proposer is not None else 0)
-        if sp.adaptive_k and proposer is not None and not isinstance(proposer, RunAheadProposer):
-            from verifier_service.adaptive import AdaptiveK
-
-            engine.adaptive = AdaptiveK(k_max=sp.k)
-        return engine
+        plan = EnginePlan(blocks, cache.block_size, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
+                          k=sp.k, max_spec_nodes=nodes, sampling=sp.sampling, adaptive_k=sp.adaptive_k)
+        return build_engine(target, plan, proposer)
 
     def start(self, drafter_address: str | None = None, drafter_resolver=None) -> str:
         """Serve. ``drafter_resolver()`` returns the drafter's current address when its link must be re-established

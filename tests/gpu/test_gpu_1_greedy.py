@@ -90,13 +90,13 @@ def test_ssd_drafter_process_gets_the_device(real_pair, fp32_pair, device, cores
 def test_batched_sd_equals_ar_with_concurrent_requests(fp32_pair, prompt_sets, hf_greedy, compare, log):
     """``ssd batch``'s engine (cluster.offline_batch → VerifierEngine): 6 requests at once, SD == AR, and AR ==
     transformers."""
-    from cluster.offline_batch import build_engine, make_sequences
+    from cluster.offline_batch import batch_engine, make_sequences
     from verifier_service.batch_requests import BatchSettings
 
     prompts = prompt_sets["code"] + prompt_sets["chat"]
     outs = {}
     for mode in ("ar", "sd"):
-        engine = build_engine(fp32_pair, BatchSettings(mode=mode, concurrency=len(prompts), k=K_SD))
+        engine = batch_engine(fp32_pair, BatchSettings(mode=mode, concurrency=len(prompts), k=K_SD))
         seqs = make_sequences(fp32_pair, [(f"{mode}{i}", ids, SamplingParams(max_new_tokens=NEW))
                                           for i, ids in enumerate(prompts)])
         for seq in seqs:

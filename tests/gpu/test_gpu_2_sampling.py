@@ -22,10 +22,10 @@ def _run(path: str, pair, generator_cls, prompts, seed: int) -> list[list[int]]:
         gen = generator_cls.from_pair(pair, k=4)
         return [gen.generate(ids, _params(seed), mode=mode, request_id=f"s{i}").token_ids
                 for i, ids in enumerate(prompts)]
-    from cluster.offline_batch import build_engine, make_sequences
+    from cluster.offline_batch import batch_engine, make_sequences
     from verifier_service.batch_requests import BatchSettings
 
-    engine = build_engine(pair, BatchSettings(mode=path.removeprefix("batch-"), concurrency=len(prompts), k=4))
+    engine = batch_engine(pair, BatchSettings(mode=path.removeprefix("batch-"), concurrency=len(prompts), k=4))
     seqs = make_sequences(pair, [(f"s{i}", ids, _params(seed)) for i, ids in enumerate(prompts)])
     for seq in seqs:
         engine.add(seq)
