@@ -6,12 +6,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from spec_core.transfer import to_device
 
 if TYPE_CHECKING:
     from spec_core.arch import ArchSpec
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On a CPU its pages are the kernel's zero pages until first written (``calloc``), so a pool
+    sized for many long requests costs resident memory only for the slots requests have used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVCache:
@@ -41,7 +51,7 @@ class PagedKVCache:
         self.num_slots = num_blocks * block_size
         self.num_kv_heads = spec.num_kv_heads
         shape = (spec.num_layers, self.num_slots + 1, 2 * spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = zeroed(shape, dtype, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 

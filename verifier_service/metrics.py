@@ -21,7 +21,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: Seconds: sub-millisecond steps up to two-minute requests.
@@ -141,6 +148,7 @@ class ServiceMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_TotalsCollector(stats, model_name))
+        ProcessCollector(registry=self.registry)  # the verifier process's own memory and CPU (process_*)
         #: Prompt tokens of requests that got their first token (plain int: the stats log reads it).
         self.prompt_tokens = 0
         self._build(token_buckets(max_model_len))
