@@ -25,6 +25,19 @@ def load_token_map(path: Path, vocab_size: int) -> torch.Tensor | None:
     return to_device(ids, "cpu", torch.long)  # at load; moved with the weights
 
 
+def head_token_map(path: Path, vocab_size: int, given: torch.Tensor | None) -> torch.Tensor | None:
+    """A runner's head ids: the folder's token map (a draft trained on it) or ``given`` (a pretrained draft's head
+    cut at load, :mod:`spec_core.draft_vocab`), never both; None for the whole vocabulary."""
+    folder = load_token_map(path, vocab_size)
+    if folder is not None and given is not None:
+        raise ValueError(f"{path} has its own token map; a draft head vocabulary cannot be set for it")
+    ids = folder if folder is not None else given
+    if ids is not None and (ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size
+                            or not bool((ids[1:] > ids[:-1]).all())):
+        raise ValueError(f"a token map must be ascending unique ids in [0, {vocab_size})")
+    return ids
+
+
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
     """The architecture facts the runner needs, read from an HF config."""

@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig
 
 from spec_core import cpu_kernels, gguf_weights, kquant
-from spec_core.arch import ArchSpec, load_token_map
+from spec_core.arch import ArchSpec, head_token_map
 from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
 from spec_core.model_paths import load_safetensors_dir, resolve_model
 from spec_core.ops import RMSNorm, rope_, rope_tables, signed_sin
@@ -144,9 +144,8 @@ class ModelRunner:
         self.spec = ArchSpec.from_hf(self.hf_config)
         self.dtype = dtype
         self.device = torch.device(device)
-        # Layer by layer from the host checkpoint (fp32, or a GGUF's own blocks: :mod:`spec_core.gguf_weights`)
-        # straight to the device (and quantized there, if asked), so the device's peak stays near the weights' size.
-        self.token_map = self._token_map(path, token_map)
+        # Layer by layer from the host checkpoint (fp32, or a GGUF's own blocks) to the device: a peak near the weights.
+        self.token_map = head_token_map(path, self.spec.vocab_size, token_map)
         raw = (gguf_weights.runner_tensors(path, self.device, kernels, head_rows=self.token_map) if weights == "gguf"
                else load_safetensors_dir(path))
 
@@ -155,8 +154,6 @@ class ModelRunner:
 
         self.embed = place(raw.pop("model.embed_tokens.weight"))
         self.lm_head = self._head(raw, place)
-        if self.token_map is not None:
-            self.token_map = self.token_map.to(self.device)
         #: Whether this runner is the exactness reference (dense fp32), whose every op is transformers' arithmetic
         #: bit for bit; other formats use the fused RMSNorm (:mod:`spec_core.ops`) and report their agreement. A
         #: draft passes ``reference=False``: its arithmetic never reaches the output (the verifier uses the q it
@@ -202,23 +199,13 @@ class ModelRunner:
         elsewhere nothing changes. The engine holds it over a step's forward and verification."""
         return cpu_kernels.torch_ops_on_one_thread() if self.batch_invariant else contextlib.nullcontext()
 
-    def _token_map(self, path: Path, given: torch.Tensor | None) -> torch.Tensor | None:
-        """The head's ids: the folder's ``token_map.json`` (a draft trained on it) or ``given`` (a pretrained
-        draft's head cut at load, :mod:`spec_core.draft_vocab`), never both."""
-        folder = load_token_map(path, self.spec.vocab_size)
-        if folder is not None and given is not None:
-            raise ValueError(f"{path} has its own token map; a draft head vocabulary cannot be set for it")
-        ids = folder if folder is not None else given
-        if ids is not None and (ids.numel() == 0 or int(ids.max()) >= self.spec.vocab_size or int(ids.min()) < 0
-                                or not bool((ids[1:] > ids[:-1]).all())):
-            raise ValueError(f"a token map must be ascending unique ids in [0, {self.spec.vocab_size})")
-        return ids
-
     def _head(self, raw: dict, place) -> Weight:
         """The LM head (the embedding where tied), cut to the token map where there is one (a GGUF's own blocks are
         cut as they are read: :func:`gguf_weights.runner_tensors`)."""
         head_raw = raw.pop("lm_head.weight", None)
         head = self.embed if self.spec.tie_embeddings or head_raw is None else head_raw
+        if self.token_map is not None:
+            self.token_map = self.token_map.to(self.device)
         if isinstance(head, kquant.QuantEmbedding):  # a tied head in the GGUF's own blocks
             return head.as_matrix(self.token_map)
         if isinstance(head, kquant.KQuantWeight):

@@ -42,7 +42,10 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 def model_names(text: bytes) -> set[str | None]:
-    return {s.labels.get("model_name") for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+    """The model names of every sample but Prometheus' standard ``process_*`` ones (the process's memory and CPU,
+    which name no model)."""
+    return {s.labels.get("model_name") for fam in text_string_to_metric_families(text.decode()) for s in fam.samples
+            if not fam.name.startswith("process_")}
 
 
 @pytest.fixture(scope="module")
