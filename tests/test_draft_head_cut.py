@@ -142,7 +142,8 @@ def test_speculation_with_a_cut_draft_equals_the_targets_greedy_output(tiny, mon
     from spec_core.models import LoadedPair, load_runner, load_tokenizer
     from verifier_service.api import Generator
 
-    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))  # the drafter process reads the counts cached here
+    monkeypatch.setattr(draft_vocab, "corpus_files", lambda: [Path(__file__)])  # a small corpus, counted once
     _, folder = tiny
     target = load_runner(ModelConfig(str(folder), "gguf"))
     draft = load_runner(ModelConfig(str(folder), "gguf", head_vocab=KEEP), reference=False)
@@ -155,4 +156,5 @@ def test_speculation_with_a_cut_draft_equals_the_targets_greedy_output(tiny, mon
                              draft_dtype="gguf", draft_head_vocab=KEEP, lend_cores=False)
         with LocalSSD(target, cfg) as local:
             seq, _, _ = generate_ssd(local, PROMPT, params)
+            assert local.strategy == strategy
         assert seq.output_ids == ar, strategy
