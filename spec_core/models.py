@@ -45,27 +45,32 @@ def load_runner(cfg: ModelConfig, reference: bool = True) -> ModelRunner:
         raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
 
 
+def _head_plan(cfg: ModelConfig) -> tuple[Path, int, int]:
+    """A draft's folder, how many frequent ids its head keeps (0: all) and its vocabulary size."""
+    folder = resolve_model(cfg.path, weights=False)
+    has_map = (folder / TOKEN_MAP_FILE).is_file()
+    if has_map or not (folder / "tokenizer_config.json").is_file():
+        if cfg.head_vocab:
+            raise ModelLoadError(f"a draft head vocabulary needs a draft with its tokenizer and no token map of its "
+                                 f"own; {cfg.path} has {'a token map' if has_map else 'no tokenizer'}")
+        return folder, 0, 0
+    vocab_size = ArchSpec.from_hf(AutoConfig.from_pretrained(str(folder))).vocab_size
+    return folder, draft_vocab.resolve_head_vocab(cfg.head_vocab, vocab_size), vocab_size
+
+
 def draft_head_vocab(cfg: ModelConfig) -> int:
     """How many of the most frequent token ids a draft's head keeps (0: its whole vocabulary, also for a draft
     trained on a token map of its own, or one without a tokenizer to count with; :mod:`spec_core.draft_vocab`)."""
-    folder = resolve_model(cfg.path, weights=False)
-    if (folder / TOKEN_MAP_FILE).is_file() or not (folder / "tokenizer_config.json").is_file():
-        if cfg.head_vocab:
-            raise ModelLoadError(f"a draft head vocabulary needs a draft with its tokenizer and no token map of its "
-                                 f"own; {cfg.path} has {'a token map' if (folder / TOKEN_MAP_FILE).is_file() else 'no tokenizer'}")
-        return 0
-    return draft_vocab.resolve_head_vocab(cfg.head_vocab, ArchSpec.from_hf(AutoConfig.from_pretrained(str(folder))).vocab_size)
+    return _head_plan(cfg)[1]
 
 
 def draft_head_map(cfg: ModelConfig) -> torch.Tensor | None:
     """The token ids a draft's head keeps (:func:`draft_head_vocab` of them and the special ones), or None for its
     whole vocabulary."""
-    n = draft_head_vocab(cfg)
+    folder, n, vocab_size = _head_plan(cfg)
     if not n:
         return None
-    folder = resolve_model(cfg.path, weights=False)
     tokenizer = load_tokenizer(folder)
-    vocab_size = ArchSpec.from_hf(AutoConfig.from_pretrained(str(folder))).vocab_size
     return draft_vocab.draft_token_map(tokenizer, vocab_hash(tokenizer), n, vocab_size)
 
 
