@@ -272,6 +272,10 @@ def cmd_bench_costs(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise CliError(f"--device {args.device}: CUDA is not available on this machine")
     quiet_transformers()
+    if args.shapes:
+        from ssd_cli.bench_shapes import bench_shapes
+
+        return bench_shapes(args, dtypes)
     from benchmarks.cost_model import measure_costs
 
     pair = _model_configs(argparse.Namespace(**{**vars(args), "dtype": dtypes[0]}), need_draft=True)

@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--no-busy-core", action="store_true",
                     help="skip T(1) with the draft running on the other core (target_t1_other_core_busy_s null; "
                          "it spawns and loads the draft, a few seconds per dtype)")
+    bc.add_argument("--shapes", help="comma list of real shapes (smollm2-135m, qwen2.5-coder-1.5b, tiny) to time as "
+                    "random-weight models in place of the pair, no model download: T(1), V(K) and --batch "
+                    "throughput, eager and through the static-buffer step (CUDA graphs on a GPU)")
+    bc.add_argument("--batch", type=int, default=64, help="rows of the --shapes batch throughput (default 64)")
     _add_model_flags(bc)
     bc.set_defaults(threads=1)
 

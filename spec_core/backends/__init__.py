@@ -1,0 +1,70 @@
+"""Model backends: what the engine needs from a model, as one protocol.
+
+A :class:`Backend` runs a packed ragged batch over a paged K/V cache (:class:`~spec_core.kv_cache.PagedBatch`),
+builds that cache, says what it can do (:class:`Capabilities`) and times its own work. The runner behind it is
+chosen once: :class:`spec_core.backends.torch_runner.RunnerBackend` wraps :class:`~spec_core.runner.ModelRunner`
+(the fp32 torch path, the CPU kernels and formats it switches on), and on a CUDA device adds graph replay
+(:mod:`spec_core.backends.cuda_graphs`) over the static-buffer step (:mod:`spec_core.backends.static_step`).
+
+Layout: nothing here imports the CPU-kernel modules, and the CUDA-graph module imports nothing that does
+(``tests/test_backends.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from spec_core.backends.static_step import Buckets, PagedForward, StaticStep
+from spec_core.kv_cache import PagedBatch, PagedKVCache
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend does.
+
+    exact: its fp32 logits are the exactness reference's arithmetic (transformers' within 1e-4).
+    batch_invariant: a token's logits do not depend on the other rows and tokens of its forward.
+    graphs: forwards replay captured CUDA graphs from static buffers.
+    cpu_kernels: the compiled CPU kernels run its forwards.
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    exact: bool
+    batch_invariant: bool
+    graphs: bool
+    cpu_kernels: bool
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model behind the engine: forward over a paged batch, its K/V cache, capabilities and timing."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor:
+        """fp32 logits ``[B, L, V]`` of ``batch``, its K/V written into ``cache``."""
+        ...
+
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache: ...
+
+    def capabilities(self) -> Capabilities: ...
+
+    def timer(self) -> contextlib.AbstractContextManager:
+        """``with backend.timer() as t: ...; t.elapsed_s()``: the region's device time."""
+        ...
+
+
+def static_step(forward: PagedForward, cache: PagedKVCache, buckets: Buckets | None = None) -> PagedForward:
+    """The static-buffer step over ``cache``: captured and replayed as CUDA graphs on a CUDA device, run eagerly
+    elsewhere. The CUDA-graph module is imported only for a CUDA cache."""
+    if cache.kv.device.type == "cuda":
+        from spec_core.backends.cuda_graphs import graph_step
+
+        return graph_step(forward, cache, buckets)
+    return StaticStep(forward, cache.scratch_slot, cache.kv.device, buckets)
