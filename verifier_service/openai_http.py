@@ -1,29 +1,31 @@
-"""OpenAI-compatible HTTP over the ``ssd.v1.Generation`` gRPC API: the handlers, the FastAPI app, and the uvicorn
-thread ``ssd serve --http-port`` runs next to the gRPC server.
+"""OpenAI-compatible HTTP over a :class:`~verifier_service.generation_backend.GenerationBackend`: the handlers, the
+FastAPI app, and the HTTP server ``ssd serve --http-port`` runs on the gRPC server's event loop.
 
-One engine: every HTTP request becomes gRPC calls on the same ``Generation`` service (``n`` choices are ``n``
-calls), so validation, limits, authentication (the ``Authorization`` header travels as gRPC metadata) and stats are
-the gRPC server's own. The Ray Serve app mounts the same :class:`OpenAIHandlers` over its replica's channel.
+One engine, one front end: under ``ssd serve`` the handlers call the verifier's in-process
+:class:`~verifier_service.frontend.FrontEnd`, the very one the gRPC handlers call (``n`` choices are ``n``
+submissions), so validation, limits, request ids and stats are the same whichever door a request came in by. The
+Ray Serve app mounts the same :class:`OpenAIHandlers` over its replica's gRPC channel
+(:class:`~verifier_service.generation_backend.GrpcBackend`; the ``Authorization`` header travels as metadata).
 
 The front door (:class:`FrontDoor`, before routing): with a token, every path but ``/health`` answers 401 unless
 the bearer token matches; a body declared larger than ``max_body_bytes`` answers 413 unread, and one that grows
 past it while read (chunked) answers 413 as soon as it does. JSON nested too deeply is a 400, not a crash.
 
-A client that hangs up has its gRPC calls cancelled, streaming or not: the verifier frees the request's KV and tells
+A client that hangs up has its requests cancelled, streaming or not: the verifier frees the request's KV and tells
 the drafter to free its own.
 
 Errors come back in OpenAI's shape with a 4xx/5xx status, unknown paths and methods included: bad JSON and wrong
-types 400, an unknown model 404, the server's own refusals mapped from their gRPC status
-(:func:`openai_protocol.http_status`). A streamed request is answered with an error status when its first message
+types 400, an unknown model 404, the server's own refusals mapped from their gRPC status name
+(:func:`openai_protocol.http_status`). A streamed request is answered with an error status when its first event
 fails; an error after the first token ends the stream with an ``error`` event, then ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -33,8 +35,10 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from protos.ssd.v1 import ssd_pb2 as pb
 from verifier_service import openai_protocol as oa
+from verifier_service.frontend import Caller, Chunk, GenerationError, GenerationRequest, Result
+from verifier_service.frontend_pb import request_from_pb
+from verifier_service.generation_backend import GenerationBackend, GrpcBackend
 from verifier_service.openai_front_door import (
     DEFAULT_MAX_BODY_BYTES,
     FrontDoor,
@@ -47,10 +51,7 @@ from verifier_service.openai_front_door import (
 
 logger = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 3600.0
 DONE = "data: [DONE]\n\n"
-#: gRPC metadata: the caller's default ``max_new_tokens`` for a request that sets none (capped to its context).
-DEFAULT_MAX_NEW_TOKENS_KEY = "ssd-default-max-new-tokens"
 #: Internal request fields named in the server's messages, as the HTTP API names them.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 
@@ -65,14 +66,15 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _rpc_error(exc: grpc.aio.AioRpcError) -> oa.OpenAIError:
-    status = oa.http_status(exc.code())
+def _refusal(exc: GenerationError) -> oa.OpenAIError:
+    code = grpc.StatusCode[exc.status] if exc.status in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
+    status = oa.http_status(code)
     kind = "invalid_request_error" if status < 500 else "server_error"
-    message, param = exc.details() or exc.code().name, None
+    message, param = exc.message or exc.status, None
     for internal, public in _PARAM_NAMES.items():
         if internal in message:
             message, param = message.replace(internal, public), public
-    return oa.OpenAIError(status, message, kind=kind, param=param, code=exc.code().name.lower())
+    return oa.OpenAIError(status, message, kind=kind, param=param, code=exc.status.lower())
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -84,7 +86,7 @@ async def _until_disconnected(request: Request) -> None:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """``work``'s result, or :class:`ClientGone` once the client hangs up first; ``work`` is then cancelled (and
-    with it its gRPC calls, which frees the request on the verifier and the drafter)."""
+    with it its requests, which frees them on the verifier and the drafter)."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -97,41 +99,66 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task in done:
         return task.result()
     task.cancel()
-    await asyncio.wait({task})  # its calls are cancelled before we go on
+    await asyncio.wait({task})  # its requests are cancelled before we go on
     raise ClientGone()
 
 
-async def _complete_all(calls: list) -> list:
-    """The results of unary calls; on the first failure, or when cancelled, none of them keeps generating."""
+async def _submit_all(backend: GenerationBackend, requests: list[GenerationRequest], caller: Caller) -> list:
+    """One handle per request; on a refusal, or when cancelled, none of them keeps generating."""
+    handles: list = []
     try:
-        return list(await asyncio.gather(*calls))
-    finally:
-        for c in calls:
-            c.cancel()
-
-
-async def _first_messages(calls: list) -> list:
-    """Each stream's first message (the server validates before it); on a failure, or when cancelled, every
-    stream is cancelled."""
-    try:
-        return [await c.read() for c in calls]
+        for r in requests:
+            handles.append(await backend.submit(r, caller))
     except BaseException:
-        for c in calls:
-            c.cancel()
+        for h in handles:
+            backend.cancel(h)
         raise
+    return handles
+
+
+async def _complete_all(backend: GenerationBackend, requests: list[GenerationRequest], caller: Caller) -> list:
+    """The results of all requests; on the first failure, or when cancelled, none of them keeps generating."""
+    handles = await _submit_all(backend, requests, caller)
+    tasks = [asyncio.ensure_future(backend.result(h)) for h in handles]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            backend.cancel(h)
+
+
+async def _open_streams(backend: GenerationBackend, requests: list[GenerationRequest], caller: Caller) -> tuple:
+    """(handles, their event streams, each stream's first event): a request that fails before its first event
+    answers with an error status. On a failure, or when cancelled, every request is cancelled."""
+    handles = await _submit_all(backend, requests, caller)
+    streams = [backend.stream(h) for h in handles]
+    try:
+        firsts = [await anext(s) for s in streams]
+    except BaseException:
+        for h in handles:
+            backend.cancel(h)
+        raise
+    return handles, streams, firsts
 
 
 class OpenAIHandlers:
-    """The endpoints, over a ``Generation`` stub. ``stub()`` returns a ``grpc.aio`` stub bound to the running loop;
-    ``metrics()`` returns the Prometheus exposition (None: no ``/metrics``). ``token``: the bearer token the front
-    door requires (None: no authentication here; the gRPC server still checks what it is given)."""
+    """The endpoints, over a :class:`GenerationBackend`. ``backend`` may also be a function returning a
+    ``grpc.aio`` ``Generation`` stub bound to the running loop (with ``health`` one returning a ``Health`` stub):
+    it is then wrapped in a :class:`GrpcBackend`. ``metrics()`` returns the Prometheus exposition (None: no
+    ``/metrics``). ``token``: the bearer token the front door requires (None: no authentication here; a gRPC
+    verifier still checks what it is given)."""
 
-    def __init__(self, stub: Callable[[], object], model_names: list[str], health: Callable[[], object] | None = None,
-                 metrics: Callable[[], bytes] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 token: str | None = None) -> None:
+    def __init__(self, backend: GenerationBackend | Callable[[], object], model_names: list[str],
+                 health: Callable[[], object] | None = None, metrics: Callable[[], bytes] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-        self.stub, self.model_names, self.health_stub, self.metrics_text = stub, list(model_names), health, metrics
+        if not isinstance(backend, GenerationBackend):
+            backend = GrpcBackend(backend, health)
+        self.backend: GenerationBackend = backend
+        self.model_names, self.metrics_text = list(model_names), metrics
         self.max_body_bytes, self.token = max_body_bytes, token
 
     # ---- endpoints -------------------------------------------------------------------------------------------
@@ -145,16 +172,7 @@ class OpenAIHandlers:
         return JSONResponse(oa.models(self.model_names))
 
     async def health(self, request: Request) -> Response:
-        if self.health_stub is None:
-            return Response(status_code=200)
-        from grpc_health.v1 import health_pb2
-
-        try:
-            resp = await self.health_stub().Check(health_pb2.HealthCheckRequest(service="ssd.v1.Generation"),
-                                                  timeout=10)
-        except grpc.aio.AioRpcError:
-            return Response(status_code=503)
-        return Response(status_code=200 if resp.status == health_pb2.HealthCheckResponse.SERVING else 503)
+        return Response(status_code=200 if await self.backend.healthy() else 503)
 
     async def metrics(self, request: Request) -> Response:
         if self.metrics_text is None:
@@ -167,29 +185,24 @@ class OpenAIHandlers:
     async def _generate(self, request: Request, model_cls, chat: bool) -> Response:
         try:
             req = await self._parse(request, model_cls)
-            to_pb = oa.chat_to_pb if chat else oa.completion_to_pb
-            reqs = [to_pb(req, i) for i in range(req.n)]
+            reqs = _requests(req, chat)
         except oa.OpenAIError as exc:
             return error_response(exc)
-        except ValueError as exc:  # a protobuf field out of range
+        except ValueError as exc:  # a field out of the wire's range, or refused by the request parser
             return error_response(oa.OpenAIError(400, str(exc)))
-        metadata = _forwarded(request)
-        if not chat and req.max_tokens is None:
-            metadata += ((DEFAULT_MAX_NEW_TOKENS_KEY, str(oa.COMPLETION_MAX_TOKENS)),)
+        caller = _caller(request)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
         try:
             if not req.stream:
-                calls = [self.stub().Complete(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
-                results = await unless_disconnected(request, _complete_all(calls))
+                results = await unless_disconnected(request, _complete_all(self.backend, reqs, caller))
                 return JSONResponse((oa.chat_completion if chat else oa.completion)(cid, req.model, results))
-            calls = [self.stub().Generate(r, metadata=metadata, timeout=CALL_TIMEOUT_S) for r in reqs]
-            firsts = await unless_disconnected(request, _first_messages(calls))
-        except grpc.aio.AioRpcError as exc:
-            return error_response(_rpc_error(exc))
+            handles, streams, firsts = await unless_disconnected(request, _open_streams(self.backend, reqs, caller))
+        except GenerationError as exc:
+            return error_response(_refusal(exc))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _Stream(cid, req.model, chat, usage, calls, firsts)
+        stream = _Stream(cid, req.model, chat, usage, (self.backend, handles, streams), firsts)
         return StreamingResponse(stream.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -224,57 +237,59 @@ def _validation_error(exc: ValidationError) -> oa.OpenAIError:
     return oa.OpenAIError(400, f"{param}: {best.get('msg')}" if param else str(best.get("msg")), param=param)
 
 
-def _forwarded(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's token and address, as gRPC metadata: the server's per-client limits count HTTP clients apart."""
-    auth = request.headers.get("authorization")
-    client = (("ssd-forwarded-client", request.client.host),) if request.client else ()
-    return ((("authorization", auth),) if auth else ()) + client
+def _requests(req, chat: bool) -> list[GenerationRequest]:
+    """One request per choice, parsed as the gRPC API parses its own; a completion without ``max_tokens`` gets
+    OpenAI's default, capped to what fits its context."""
+    to_pb = oa.chat_to_pb if chat else oa.completion_to_pb
+    default = oa.COMPLETION_MAX_TOKENS if not chat and req.max_tokens is None else None
+    return [request_from_pb(to_pb(req, i), default) for i in range(req.n)]
+
+
+def _caller(request: Request) -> Caller:
+    """The HTTP client: its token and its own address (the per-client limits count HTTP clients apart)."""
+    return Caller(request.headers.get("authorization"), request.client.host if request.client else "unknown",
+                  http=True)
 
 
 class _Stream:
-    """Server-sent events of one streamed request: its ``n`` gRPC streams merged, one choice index each."""
+    """Server-sent events of one streamed request: its ``n`` event streams merged, one choice index each.
+    ``requests``: (the backend, the handles, their event streams)."""
 
-    def __init__(self, cid: str, model: str, chat: bool, include_usage: bool, calls: list, firsts: list) -> None:
+    def __init__(self, cid: str, model: str, chat: bool, include_usage: bool, requests: tuple, firsts: list) -> None:
         self.cid, self.model, self.chat, self.include_usage = cid, model, chat, include_usage
-        self.calls, self.firsts = calls, firsts
+        self.backend, self.handles, self.streams = requests
+        self.firsts = firsts
         self.prompt_tokens = 0
         self.completion_tokens = 0
-        self.text_chars = [0] * len(calls)
+        self.text_chars = [0] * len(self.handles)
 
     def _chunk(self, choice: dict) -> str:
         return _sse(oa.chunk(self.cid, self.model, self.chat, [choice], self.include_usage))
 
-    def _on(self, i: int, resp: pb.GenerateResponse) -> list[str]:
-        from protos import codec
-
-        if resp.WhichOneof("kind") == "delta":
-            d = resp.delta
-            self.completion_tokens += len(d.token_ids)
+    def _on(self, i: int, ev: Chunk | Result) -> list[str]:
+        if isinstance(ev, Chunk):
+            self.completion_tokens += len(ev.token_ids)
             if self.chat:
-                choice = {"index": i, "delta": {"content": d.text},
-                          "logprobs": oa.chat_logprobs(d.token_logprobs), "finish_reason": None}
+                choice = {"index": i, "delta": {"content": ev.text},
+                          "logprobs": oa.chat_logprobs(ev.token_logprobs), "finish_reason": None}
             else:
-                choice = {"index": i, "text": d.text, "logprobs": oa.completion_logprobs(d.token_logprobs,
-                                                                                         self.text_chars[i]),
+                choice = {"index": i, "text": ev.text,
+                          "logprobs": oa.completion_logprobs(ev.token_logprobs, self.text_chars[i]),
                           "finish_reason": None}
-            self.text_chars[i] += len(d.text)
-            return [self._chunk(choice)] if d.text or d.token_ids else []
-        final = resp.final
-        self.prompt_tokens = final.num_prompt_tokens
-        reason = codec.finish_reason_name(final.finish_reason)
-        choice = ({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason} if self.chat
-                  else {"index": i, "text": "", "logprobs": None, "finish_reason": reason})
+            self.text_chars[i] += len(ev.text)
+            return [self._chunk(choice)] if ev.text or ev.token_ids else []
+        self.prompt_tokens = ev.num_prompt_tokens
+        choice = ({"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason} if self.chat
+                  else {"index": i, "text": "", "logprobs": None, "finish_reason": ev.finish_reason})
         return [self._chunk(choice)]
 
     async def _pump(self, i: int, queue: asyncio.Queue) -> None:
         try:
             await queue.put((i, self.firsts[i]))
-            while True:
-                resp = await self.calls[i].read()
-                if resp is grpc.aio.EOF:
-                    break
-                await queue.put((i, resp))
-        except grpc.aio.AioRpcError as exc:
+            if not isinstance(self.firsts[i], Result):
+                async for ev in self.streams[i]:
+                    await queue.put((i, ev))
+        except GenerationError as exc:
             await queue.put((i, exc))
         finally:
             await queue.put((i, None))
@@ -282,19 +297,19 @@ class _Stream:
     async def events(self) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
         if self.chat:
-            for i in range(len(self.calls)):
+            for i in range(len(self.handles)):
                 yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None})
-        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.calls))]
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.handles))]
         try:
             live = len(tasks)
             while live:
                 i, item = await queue.get()
                 if item is None:
                     live -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    yield _sse(_rpc_error(item).body())
-                elif item is not grpc.aio.EOF:
+                elif isinstance(item, GenerationError):
+                    yield _sse(_refusal(item).body())
+                else:
                     for event in self._on(i, item):
                         yield event
             if self.include_usage:
@@ -304,8 +319,8 @@ class _Stream:
         finally:  # the client went away, or we are done: nothing keeps generating
             for t in tasks:
                 t.cancel()
-            for c in self.calls:
-                c.cancel()
+            for h in self.handles:
+                self.backend.cancel(h)
 
 
 def create_app(handlers: OpenAIHandlers):
@@ -326,49 +341,38 @@ def create_app(handlers: OpenAIHandlers):
     return app
 
 
-class LoopbackStubs:
-    """``grpc.aio`` stubs to a local gRPC address, created on first use inside the HTTP server's event loop."""
-
-    def __init__(self, address: str, options=None) -> None:
-        self.address, self.options = address, options
-        self._channel = None
-
-    def channel(self):
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self.options)
-        return self._channel
-
-    def generation(self):
-        from protos.ssd.v1 import ssd_pb2_grpc
-
-        return ssd_pb2_grpc.GenerationStub(self.channel())
-
-    def health(self):
-        from grpc_health.v1 import health_pb2_grpc
-
-        return health_pb2_grpc.HealthStub(self.channel())
-
-
-class HttpServerThread:
-    """uvicorn serving ``app`` on its own thread and event loop (signals stay with the main thread)."""
+class HttpServer:
+    """uvicorn serving ``app`` as a task on a running event loop of another thread (the gRPC server's): one loop
+    for both doors. Signals stay with the main thread."""
 
     def __init__(self, app, host: str, port: int) -> None:
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                                     timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="openai-http", daemon=True)
+        self._done: concurrent.futures.Future | None = None
 
-    def start(self, timeout_s: float = 30.0) -> int:
-        """Start serving; returns the bound port. Raises RuntimeError when the port cannot be bound."""
-        self.thread.start()
+    async def _serve(self) -> None:
+        try:
+            await self.server.serve()
+        except SystemExit:  # uvicorn exits when it cannot bind; the loop it shares must keep running
+            logger.error("the HTTP server could not start")
+
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 30.0) -> int:
+        """Start serving on ``loop``; returns the bound port. Raises RuntimeError when the port cannot be bound."""
+        self._done = asyncio.run_coroutine_threadsafe(self._serve(), loop)
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+            if self._done.done() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start (is the port free?)")
             time.sleep(0.02)
         return self.server.servers[0].sockets[0].getsockname()[1]
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, let responses in flight end (up to uvicorn's graceful timeout), wait up to ``timeout_s``."""
         self.server.should_exit = True
-        self.thread.join(timeout_s)
+        if self._done is not None:
+            try:
+                self._done.result(timeout_s)
+            except Exception as exc:  # noqa: BLE001 - shutting down: say why, never raise
+                logger.warning("the HTTP server did not stop cleanly: %r", exc)

@@ -1,5 +1,6 @@
 """OpenAI's request and response shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``), as pydantic
-models and pure conversions to and from the ``ssd.v1`` protobuf messages.
+models and pure conversions: requests to ``ssd.v1`` protobuf messages (parsed as the gRPC API parses its own),
+the front end's results (:mod:`verifier_service.frontend`) to responses.
 
 Requests tolerate unknown fields, as vLLM does (they are logged and ignored), but the known ones are strictly typed
 (``"max_tokens": true``, ``"stream": "yes"`` and ``"n": "2"`` are 400s). Fields that would change the target's
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core.config import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:
+    from verifier_service.frontend import Result
 
 #: The most choices one request may ask for (each is its own generation).
 MAX_N = 16
@@ -185,7 +188,7 @@ def completion_to_pb(req: CompletionRequest, choice: int = 0) -> pb.GenerateRequ
     return out
 
 
-# ---- protobuf → responses ---------------------------------------------------------------------------------------
+# ---- results → responses -----------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -195,12 +198,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _tok(t: pb.TokenLogprob) -> dict:
+def _tok(t) -> dict:
     return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
 
 
 def chat_logprobs(positions) -> dict | None:
-    """``choices[i].logprobs`` of a chat completion (or chunk) from ``PositionLogprobs`` messages."""
+    """``choices[i].logprobs`` of a chat completion (or chunk) from a result's ``token_logprobs``."""
     if not positions:
         return None
     return {"content": [{**_tok(p.chosen), "top_logprobs": [_tok(t) for t in p.top]} for p in positions],
@@ -220,17 +223,17 @@ def completion_logprobs(positions, offset: int = 0) -> dict | None:
             "top_logprobs": tops if any(p.top for p in positions) else None, "text_offset": offsets}
 
 
-def chat_completion(cid: str, model: str, results: list[pb.GenerateResult]) -> dict:
+def chat_completion(cid: str, model: str, results: list[Result]) -> dict:
     choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(r.token_logprobs), "finish_reason": codec.finish_reason_name(r.finish_reason)}
+                "logprobs": chat_logprobs(r.token_logprobs), "finish_reason": r.finish_reason}
                for i, r in enumerate(results)]
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(results[0].num_prompt_tokens, sum(len(r.token_ids) for r in results))}
 
 
-def completion(cid: str, model: str, results: list[pb.GenerateResult]) -> dict:
+def completion(cid: str, model: str, results: list[Result]) -> dict:
     choices = [{"index": i, "text": r.text, "logprobs": completion_logprobs(r.token_logprobs),
-                "finish_reason": codec.finish_reason_name(r.finish_reason)} for i, r in enumerate(results)]
+                "finish_reason": r.finish_reason} for i, r in enumerate(results)]
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(results[0].num_prompt_tokens, sum(len(r.token_ids) for r in results))}
 

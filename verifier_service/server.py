@@ -1,7 +1,9 @@
 """The verifier's public gRPC server (``ssd.v1.Generation``) over an :class:`EngineLoop`.
 
-The handlers and their status codes are in :mod:`verifier_service.servicer`. ``drain`` turns health to
-NOT_SERVING, refuses new calls and lets in-flight streams finish.
+One in-process front end (:class:`verifier_service.frontend.FrontEnd`: validation, limits, request ids, stats)
+over the engine loop; the gRPC handlers (:mod:`verifier_service.servicer`, with their status codes) and the OpenAI
+HTTP handlers both call it. The HTTP server runs on the gRPC server's event loop: no loopback channel, one loop.
+``drain`` turns health to NOT_SERVING, refuses new calls and lets in-flight streams finish.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from spec_core.kv_budget import pool_blocks
 from spec_core.models import load_pair, vocab_hash
 from verifier_service.engine import VerifierEngine
 from verifier_service.engine_builder import EnginePlan, build_engine
+from verifier_service.frontend import FrontEnd
 from verifier_service.run_ahead_proposer import RunAheadProposer
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.service import EngineLoop
@@ -114,12 +117,14 @@ class VerifierServer:
         self.max_token_chars = longest_token(self.pair.tokenizer)
         self.link = None
         self.engine_loop: EngineLoop | None = None
+        self.frontend: FrontEnd | None = None
         self.thread: ServerThread | None = None
         self.health = None
         self.address: str | None = None
         self.metrics = None
         self.metrics_address: str | None = None
         self.http = None
+        self.http_handlers = None
         self.http_address: str | None = None
         self._stopping = threading.Event()
         self.reconnects = 0
@@ -231,7 +236,8 @@ class VerifierServer:
         self.engine_loop.start()
         if self.config.stats_log_interval_s:
             self.metrics.start_stats_log(self.config.stats_log_interval_s)
-        servicer = GenerationServicer(self)
+        self.frontend = FrontEnd(self)
+        servicer = GenerationServicer(self.frontend)
 
         async def setup(server: grpc.aio.Server) -> None:
             add_generation_servicer(servicer, server)
@@ -248,26 +254,23 @@ class VerifierServer:
         port = self.thread.start()
         self.address = f"{self.config.host}:{port}"
         if c.http_port is not None:
-            self._start_http(port, token)
+            self._start_http(token)
         if self.link is not None:
             resolver = drafter_resolver or (lambda: drafter_address)
             threading.Thread(target=self._watch_drafter, args=(resolver,), name="drafter-watch", daemon=True).start()
         logger.info("verifier serving %s on %s (mode %s)", SERVICE, self.address, self.config.spec.mode)
         return self.address
 
-    def _start_http(self, grpc_port: int, token: str | None) -> None:
-        """The OpenAI-compatible HTTP server: its handlers call this server's own gRPC API over loopback; its front
-        door checks the same bearer token as the gRPC server, before anything else."""
-        from protos.serving import channel_options
-        from verifier_service.openai_http import HttpServerThread, LoopbackStubs, OpenAIHandlers, create_app
+    def _start_http(self, token: str | None) -> None:
+        """The OpenAI-compatible HTTP server, on the gRPC server's event loop: its handlers call the in-process front
+        end directly; its front door checks the same bearer token as the gRPC server, before anything else."""
+        from verifier_service.openai_http import HttpServer, OpenAIHandlers, create_app
 
         c = self.config
-        host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "[::]", "") else c.host
-        stubs = LoopbackStubs(f"{host}:{grpc_port}", channel_options())
-        handlers = OpenAIHandlers(stubs.generation, [self.model_name], stubs.health, self.metrics.exposition,
-                                  max_body_bytes=c.max_body_bytes, token=token)
-        self.http = HttpServerThread(create_app(handlers), c.host, c.http_port)
-        self.http_address = f"{c.host}:{self.http.start()}"
+        self.http_handlers = OpenAIHandlers(self.frontend, [self.model_name], metrics=self.metrics.exposition,
+                                            max_body_bytes=c.max_body_bytes, token=token)
+        self.http = HttpServer(create_app(self.http_handlers), c.host, c.http_port)
+        self.http_address = f"{c.host}:{self.http.start(self.thread.loop)}"
         logger.info("OpenAI-compatible HTTP on http://%s (model %s)", self.http_address, self.model_name)
 
     @property
@@ -297,6 +300,10 @@ class VerifierServer:
             loop.pending_link = new
             self.reconnects += 1
             logger.warning("reconnected to the drafter at %s", new.address)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def drain(self, grace_s: float | None = None) -> bool:
         """Health NOT_SERVING, refuse new requests (UNAVAILABLE), finish in-flight ones, then stop the server.

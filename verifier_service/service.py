@@ -1,8 +1,9 @@
 """The verifier service core: one :class:`VerifierEngine` stepped on its own thread, fed by many async clients.
 
-Thread model: gRPC handlers run on an asyncio loop; the engine (and the model forward) runs on one engine thread.
-Handlers ``submit`` and ``cancel`` (thread-safe); after every step the engine thread pushes each request's new
-tokens to that request's asyncio queue as :class:`Delta` events, then one :class:`Finished` event. The stream of
+Thread model: the front end (:mod:`verifier_service.frontend`, called by the gRPC and HTTP handlers) runs on an
+asyncio loop; the engine (and the model forward) runs on one engine thread. The front end calls ``submit`` and
+``cancel`` (thread-safe); after every step the engine thread pushes each request's new tokens to that request's
+asyncio queue, on the loop it was submitted from, as :class:`Delta` events, then one :class:`Finished` event. The stream of
 deltas of a request concatenates exactly to its final token ids and text (tested).
 
 Admission: at most ``max_queue`` requests are admitted (running + waiting); beyond that ``submit`` raises
@@ -63,7 +64,7 @@ class Failed:
 
 @dataclass(slots=True)
 class Handle:
-    """A submitted request, as seen by its gRPC handler."""
+    """A submitted request, as seen by the front end."""
 
     seq: Sequence
     loop: asyncio.AbstractEventLoop
