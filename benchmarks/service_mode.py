@@ -34,7 +34,8 @@ class ServiceMode:
 
     def configure(self, adaptive: bool) -> None:
         """(Re)launch the pair with or without adaptive K; a no-op when it already runs that way."""
-        from cluster.launch import PairConfig, launch
+        from cluster.launch import launch
+        from spec_core.settings import ServiceConfig
         from verifier_service.client import SSDClient
 
         if self.adaptive == adaptive:
@@ -42,7 +43,9 @@ class ServiceMode:
         if self.deployment is not None:
             self.client.close()
             self.deployment.shutdown(grace_s=5)
-        self.deployment = launch(PairConfig(*self.paths, k=self.k, port=0, adaptive_k=adaptive, dtype=self.dtype))
+        target, draft = self.paths
+        self.deployment = launch(ServiceConfig(target=target, draft=draft, k=self.k, port=0, fixed_k=not adaptive,
+                                               dtype=self.dtype))
         self.client = SSDClient(self.deployment.address)
         self.adaptive = adaptive
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from cluster.launch import PairConfig, launch
+from cluster.launch import launch
 from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
+from spec_core.settings import ServiceConfig
 from verifier_service.batch_requests import BatchSettings
 from verifier_service.client import SSDClient
 
@@ -41,14 +42,20 @@ def _in_order(futures: list[Future]) -> list:
     return [f.result() for f in futures]
 
 
+def job_config(config: ServiceConfig, settings: BatchSettings) -> ServiceConfig:
+    """The pair a batch job places: ``config`` (its ``--config`` file and flags) with the job's own needs: a
+    public port that is free on any node, ``k`` and room for ``concurrency`` requests at once."""
+    return config.model_copy(update={"host": "node-ip", "port": 0, "k": settings.k,
+                                     "max_num_seqs": settings.concurrency,
+                                     "max_queue": max(config.max_queue, settings.concurrency)})
+
+
 def run_batch_on_ray(address: str | None, rows: list, output_path: Path, settings: BatchSettings,
-                     target_path: str, draft_path: str, dtype: str = "auto", device: str = "auto") -> dict:
-    """``rows``: the requests from :func:`verifier_service.batch_requests.read_requests`; ``dtype`` and
-    ``device`` reach both actors (``auto``: each actor's GPU if Ray gave it one)."""
+                     config: ServiceConfig) -> dict:
+    """``rows``: the requests from :func:`verifier_service.batch_requests.read_requests`; ``config``: the pair's
+    settings (:func:`job_config`; ``device`` ``auto``: each actor's GPU if Ray gave it one)."""
     ray.init(address=address or "auto", logging_level=logging.WARNING)
-    cfg = PairConfig(target_path, draft_path, k=settings.k, host="node-ip", port=0, dtype=dtype, device=device,
-                     max_num_seqs=settings.concurrency, max_queue=max(64, settings.concurrency))
-    dep = launch(cfg)
+    dep = launch(job_config(config, settings))
     try:
         info = dep.info()
         logger.info("pair placed: drafter pid %s on %s, verifier pid %s on %s", info["drafter"]["pid"],

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import ray
@@ -28,7 +28,6 @@ from cluster.actors import DrafterActor, VerifierActor
 from drafter_service.server import DrafterServerConfig
 from protos.security import TLSFiles, is_loopback
 from spec_core.config import (
-    SSD_DEFAULT_TREE,
     CacheConfig,
     ModelConfig,
     SpeculationConfig,
@@ -38,6 +37,7 @@ from spec_core.config import (
     resolve_dtype,
 )
 from spec_core.fanout import FanoutConfig
+from spec_core.settings import ServiceConfig
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
 
@@ -77,79 +77,46 @@ def public_tls(public: dict) -> TLSFiles | None:
 
 
 @dataclass(frozen=True, slots=True)
-class PairConfig:
-    """A drafter–verifier deployment."""
+class LaunchOptions:
+    """How the launcher runs the pair (not part of the deployment's configuration)."""
 
-    target_path: str
-    draft_path: str
-    k: int = 2
-    budget: int = FanoutConfig().budget
-    #: How the drafter drafts (``SSDConfig.strategy``): auto, fanout or run-ahead.
-    ssd_strategy: str = "auto"
-    saguaro_c: float = 1.0
-    #: SSD's candidate tree per outcome: "chain" or WIDTHxLEVELS (:class:`spec_core.config.TreeShape`).
-    tree: str = str(SSD_DEFAULT_TREE)
-    dtype: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    #: The context limit of a request, prompt and output (None: the model's own)
-    max_model_len: int | None = None
-    max_queue: int = 64
-    metrics_port: int | None = None  # Prometheus endpoint on the verifier's node (None: off)
-    http_port: int | None = None  # OpenAI-compatible HTTP on the verifier's node (None: off)
-    served_model_name: str | None = None  # what clients give as `model` (None: the target's name)
-    stats_log_interval_s: float | None = 10.0  # the verifier's one-line stats log (None: off)
-    adaptive_k: bool = True
-    backup_policy: str = "auto"
-    sampling: str = "auto"  # how sampled requests draw (EngineConfig.sampling)
-    use_gpu: bool | None = None  # None: GPUs if the cluster has enough for both actors (2 × gpu_fraction)
-    #: Each actor's share of a GPU: 1.0 = a GPU each; 0.5 = both actors on one GPU (fractional bundles).
-    gpu_fraction: float = 1.0
-    #: Both actors' device: "auto" (the actor's GPU if Ray gave it one, else cpu), "cpu", "cuda", "cuda:N".
-    device: str = "auto"
-    #: Each KV pool's share of its device's free memory (None: fixed CPU sizes; a default share on a GPU).
-    kv_memory_fraction: float | None = None
-    strategy: str = "PACK"
-    #: Where the drafter listens: "auto" (loopback when it shares a node with the verifier, else the node IP),
-    #: "node-ip", or an address (:func:`drafter_bind_host`).
-    drafter_host: str = "auto"
     #: The actors' log level (the driver's: ``ssd -v serve`` logs INFO in them too).
     log_level: int = logging.WARNING
     pin_cores: bool = True  # CPU only: pin verifier to core 0, drafter to core 1 (of each actor's node)
     placement_timeout_s: float = 60.0
     start_timeout_s: float = 300.0
-    extra_verifier: dict = field(default_factory=dict)
 
-    def verifier_config(self, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
-        """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
-        spec = SpeculationConfig(mode="ssd", k=self.k, budget=self.budget, saguaro_c=self.saguaro_c,
-                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
-                                 tree=TreeShape.parse(self.tree), sampling=self.sampling)
-        return VerifierServerConfig(ModelConfig(self.target_path, self.dtype, self.device), spec=spec,
-                                    cache=CacheConfig(kv_memory_fraction=self.kv_memory_fraction),
-                                    scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                                              max_num_batched_tokens=self.max_num_batched_tokens),
-                                    host=self.host, port=self.port, max_queue=self.max_queue,
-                                    metrics_port=self.metrics_port, http_port=self.http_port,
-                                    served_model_name=self.served_model_name, max_model_len=self.max_model_len,
-                                    stats_log_interval_s=self.stats_log_interval_s,
-                                    internal_tls=link_security(drafter_host, self.extra_verifier).verifier_tls,
-                                    **self.extra_verifier)
 
-    def drafter_config(self, host: str = "127.0.0.1", on_gpu: bool = False) -> DrafterServerConfig:
-        """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials. On CPUs
-        the draft's dtype follows the target's as it resolves there (an int4 target: an int4 draft), as locally."""
-        ssd = SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.budget), saguaro_c=self.saguaro_c,
-                        tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy)
-        target = self.dtype if on_gpu or self.device not in ("auto", "cpu") else resolve_dtype(
-            self.dtype, "cpu", self.target_path)
-        draft = ModelConfig(self.draft_path, draft_dtype(target, path=self.draft_path), self.device)
-        sec = link_security(host, self.extra_verifier)
-        return DrafterServerConfig(draft, ssd, host=host, kv_memory_fraction=self.kv_memory_fraction,
-                                   tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,
-                                   auth_token_env=sec.auth_token_env)
+def verifier_config(cfg: ServiceConfig, target: str, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
+    """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
+    spec = SpeculationConfig(mode="ssd", k=cfg.k, budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c,
+                             adaptive_k=cfg.adaptive_k, backup_policy=cfg.backup_policy,
+                             tree=TreeShape.parse(cfg.tree), sampling=cfg.sampling)
+    public = cfg.public_security()
+    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device), spec=spec,
+                                cache=CacheConfig(kv_memory_fraction=cfg.kv_memory_fraction),
+                                scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                                          max_num_batched_tokens=cfg.max_num_batched_tokens),
+                                host=cfg.host, port=cfg.port, max_queue=cfg.max_queue,
+                                metrics_port=cfg.metrics_port, http_port=cfg.http_port,
+                                served_model_name=cfg.served_model_name, max_model_len=cfg.max_model_len,
+                                stats_log_interval_s=cfg.stats_log_interval, max_body_bytes=cfg.max_body_bytes,
+                                internal_tls=link_security(drafter_host, public).verifier_tls, **public)
+
+
+def drafter_config(cfg: ServiceConfig, target: str, draft: str, host: str = "127.0.0.1",
+                   on_gpu: bool = False) -> DrafterServerConfig:
+    """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials. On CPUs
+    the draft's dtype follows the target's as it resolves there (an int4 target: an int4 draft), as locally."""
+    ssd = SSDConfig(k=cfg.k, fanout=FanoutConfig(budget=cfg.fanout_budget), saguaro_c=cfg.saguaro_c,
+                    tree=TreeShape.parse(cfg.tree), strategy=cfg.ssd_strategy)
+    target_dtype = cfg.dtype if on_gpu or cfg.device not in ("auto", "cpu") else resolve_dtype(cfg.dtype, "cpu",
+                                                                                                target)
+    model = ModelConfig(draft, draft_dtype(target_dtype, path=draft), cfg.device)
+    sec = link_security(host, cfg.public_security())
+    return DrafterServerConfig(model, ssd, host=host, kv_memory_fraction=cfg.kv_memory_fraction,
+                               tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,
+                               auth_token_env=sec.auth_token_env)
 
 
 @dataclass(slots=True)
@@ -219,15 +186,16 @@ def check_health(address: str, service: str, timeout_s: float = 10.0, tls: TLSFi
         raise RuntimeError(f"{service} at {address} is not SERVING")
 
 
-def launch(cfg: PairConfig, placement_group=None) -> Deployment:
+def launch(cfg: ServiceConfig, placement_group=None, options: LaunchOptions = LaunchOptions()) -> Deployment:
     """Start the pair. With ``placement_group`` (a Serve replica's own group: bundle 0 is the replica), the
     drafter and verifier take bundles 1 and 2 of it; otherwise a new two-bundle group is created and awaited."""
+    target, draft = cfg.model_paths()
     own = placement_group is None
     if own:
         enough = ray.cluster_resources().get("GPU", 0) >= 2 * cfg.gpu_fraction
         use_gpu = cfg.use_gpu if cfg.use_gpu is not None else enough
         bundles = bundles_for(use_gpu, cfg.gpu_fraction)
-        pg = _new_group(bundles, cfg)
+        pg = _new_group(bundles, cfg.strategy, options.placement_timeout_s)
         first = 0
     else:
         pg, first = placement_group, 1
@@ -235,27 +203,28 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
         use_gpu = bundles[0].get("GPU", 0) > 0
     cpus = [b.get("CPU", 0.0) for b in bundles]
     gpus = [b.get("GPU", 0.0) for b in bundles]
-    pin = cfg.pin_cores and not use_gpu
+    pin = options.pin_cores and not use_gpu
     # The drafter is restarted by Ray if it dies (the verifier serves from its backup meanwhile, then reconnects).
     name, namespace = f"ssd-drafter-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace
     host = drafter_bind_host(cfg.drafter_host, pg, first)
     drafter = DrafterActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
         num_cpus=cpus[0], num_gpus=gpus[0], max_restarts=-1, name=name, namespace=namespace,
-    ).remote(cfg.drafter_config(host, on_gpu=use_gpu), 1 if pin else None, log_level=cfg.log_level)
+    ).remote(drafter_config(cfg, target, draft, host, on_gpu=use_gpu), 1 if pin else None,
+              log_level=options.log_level)
     # The verifier too: it comes back on the same public port (clients see UNAVAILABLE meanwhile and retry).
     verifier = VerifierActor.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
         num_cpus=cpus[1], num_gpus=gpus[1], max_restarts=-1,
-    ).remote(cfg.verifier_config(host), 0 if pin else None, name, connect_timeout_s=cfg.start_timeout_s,
-              namespace=namespace, log_level=cfg.log_level)
+    ).remote(verifier_config(cfg, target, host), 0 if pin else None, name,
+              connect_timeout_s=options.start_timeout_s, namespace=namespace, log_level=options.log_level)
     if not own:
         pg = None  # not ours to remove
     try:
-        d_addr = ray.get(drafter.address.remote(), timeout=cfg.start_timeout_s)
+        d_addr = ray.get(drafter.address.remote(), timeout=options.start_timeout_s)
         ray.get(drafter.check_health.remote(), timeout=30)
-        address = ray.get(verifier.address.remote(), timeout=cfg.start_timeout_s)
-        check_health(address, "ssd.v1.Generation", tls=public_tls(cfg.extra_verifier))
+        address = ray.get(verifier.address.remote(), timeout=options.start_timeout_s)
+        check_health(address, "ssd.v1.Generation", tls=public_tls(cfg.public_security()))
     except BaseException:
         release(pg, (verifier, drafter))
         raise
@@ -263,12 +232,12 @@ def launch(cfg: PairConfig, placement_group=None) -> Deployment:
     return Deployment(pg, drafter, verifier, d_addr, address, use_gpu)
 
 
-def _new_group(bundles: list[dict[str, float]], cfg: PairConfig):
-    pg = placement_group(bundles, strategy=cfg.strategy)
+def _new_group(bundles: list[dict[str, float]], strategy: str, timeout_s: float):
+    pg = placement_group(bundles, strategy=strategy)
     t0 = time.monotonic()
-    if not pg.wait(timeout_seconds=cfg.placement_timeout_s):
+    if not pg.wait(timeout_seconds=timeout_s):
         remove_placement_group(pg)
-        raise PlacementError(f"placement group {bundles} ({cfg.strategy}) not ready after "
-                             f"{cfg.placement_timeout_s:.0f} s; free resources: {ray.available_resources()}")
+        raise PlacementError(f"placement group {bundles} ({strategy}) not ready after "
+                             f"{timeout_s:.0f} s; free resources: {ray.available_resources()}")
     logger.info("placement group ready in %.2f s: %s", time.monotonic() - t0, bundles)
     return pg

@@ -137,10 +137,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
     ray_address = args.address or os.environ.get("RAY_ADDRESS")
     if args.mode == "ssd" and ray_address and not args.local:
         from cluster.batch_job import run_batch_on_ray
+        from spec_core.settings import ServiceConfig
 
         device = target.device if target.device.startswith("cuda") else "auto"  # cpu: let each actor choose
-        summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, target.path, draft.path,
-                                   dtype=target.dtype, device=device)
+        try:
+            config = ServiceConfig.load(args.config, {"target": target.path, "draft": draft.path,
+                                                      "dtype": target.dtype, "device": device})
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, config)
     else:
         from cluster.offline_batch import run_batch
         from spec_core.models import load_pair, set_threads

@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--address", help="mode ssd: run on this Ray cluster, drafter and verifier as placed actors "
                     "(under `ray job submit` the job's cluster, from RAY_ADDRESS, is used automatically)")
     bt.add_argument("--local", action="store_true", help="mode ssd: ignore RAY_ADDRESS; run the local two-process SSD")
+    bt.add_argument("--config", help="mode ssd on Ray: the pair's settings, a YAML file of `ssd serve`'s keys "
+                    "(docs/configuration.md); the flags above override it")
     _add_model_flags(bt)
 
     d = sub.add_parser("demo", help="answer a chat question with AR on one and two cores, SD and SSD; print the "
@@ -232,6 +234,7 @@ def _dispatch() -> dict[str, Callable[[argparse.Namespace], int]]:
     return {
         "serve": service_commands.cmd_serve,
         "client": service_commands.cmd_client,
+        "config": service_commands.cmd_config,
         "generate": commands.cmd_generate,
         "models": commands.cmd_models,
         "batch": commands.cmd_batch,

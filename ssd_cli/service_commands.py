@@ -9,9 +9,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 
-from spec_core.config import SSD_DEFAULT_TREE
 from ssd_cli.main import CliError, print_json
 
 logger = logging.getLogger("ssd")
@@ -20,80 +18,26 @@ logger = logging.getLogger("ssd")
 def add_parsers(sub) -> None:
     _add_serve(sub)
     _add_client(sub)
+    c = sub.add_parser("config", help="the one configuration model: its keys as Markdown or JSON schema, or the "
+                       "settings a --config file and flags resolve to")
+    what = c.add_mutually_exclusive_group()
+    what.add_argument("--markdown", action="store_true", help="every key, by section (docs/configuration.md)")
+    what.add_argument("--schema", action="store_true", help="the JSON schema of the Serve app's arguments")
+    c.add_argument("--config", help="with neither: print this YAML file's settings, every default filled in")
 
 
 def _add_serve(sub) -> None:
-    """``ssd serve``: every flag is also a key of :class:`cluster.serve_config.ServeSettings` (tested); none has
-    a parser default, so the ones given override the config file."""
+    """``ssd serve``: one flag per key of the one configuration model (:class:`spec_core.settings.ServiceConfig`,
+    tested); none has a parser default, so the ones given override the config file."""
+    from spec_core.settings import ServiceConfig
+    from ssd_cli.config_flags import add_model_flags
+
     s = sub.add_parser("serve", argument_default=argparse.SUPPRESS,
                        help="serve the gRPC API (and OpenAI-compatible HTTP) with drafter and verifier as Ray actors")
     s.add_argument("--config", help="a YAML file of these settings (keys are the flag names: `max-model-len: "
-                   "2048`); flags given here override it; an unknown key is an error")
-    s.add_argument("--address", help="join this Ray cluster (default: start an embedded local Ray)")
-    s.add_argument("--host", help="public bind host (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="public gRPC port (default 50051; 0 = any free)")
-    s.add_argument("--http-port", type=int,
-                   help="also serve OpenAI-compatible HTTP (/v1/chat/completions, /v1/completions, /v1/models, "
-                        "/health, /metrics) on this port, over the same engine (0 = any free; default off)")
-    s.add_argument("--metrics-port", type=int,
-                   help="serve Prometheus metrics on this port (same host as the gRPC API; 0 = any free port)")
-    s.add_argument("--served-model-name", help="the `model` name HTTP clients use (default: the target's name)")
-    s.add_argument("--max-body-bytes", type=int, help="the largest HTTP request body; a larger one gets 413 before "
-                   "it is read (default 4194304)")
-    s.add_argument("--drafter-host", help="where the drafter listens: auto (the default: 127.0.0.1 when it shares "
-                   "the verifier's node, else the node IP, then with the public API's TLS and token), node-ip, or "
-                   "an address")
-    _add_serve_engine(s)
-
-
-def _add_serve_engine(s) -> None:
-    s.add_argument("--k", type=int, help="lookahead K (default 2, the best measured on CPU)")
-    s.add_argument("--budget", type=int, help="pre-drafted branches per request (fan-out budget)")
-    s.add_argument("--ssd-strategy", choices=["auto", "fanout", "run-ahead"],
-                   help="how the drafter drafts: fanout (a tree per likely outcome of every round), run-ahead (one "
-                        "chain per request, ahead of the verifier), auto (the default: run-ahead where the draft "
-                        "reads a quarter of the target's weights per token or more)")
-    s.add_argument("--saguaro-c", type=float, help="Saguaro down-weighting C in (0, 1] (default 1)")
-    s.add_argument("--tree", help="SSD's candidate tree per outcome: chain, or WIDTHxLEVELS (the draft's next "
-                   f"WIDTH-1 choices beside the spine at its first LEVELS depths; default {SSD_DEFAULT_TREE})")
-    s.add_argument("--fixed-k", action="store_true",
-                   help="always speculate K tokens (default: adaptive K per step, down to 0, from measured costs)")
-    s.add_argument("--backup-policy", choices=["auto", "neural", "fast"],
-                   help="on a miss: wait for a just-in-time draft (neural), n-gram at once (fast), or by batch size "
-                        "from measured timings (auto, the default: the paper's b*)")
-    s.add_argument("--sampling", choices=["auto", "residual", "coupled"],
-                   help="how sampled requests draw: residual (accept or resample), coupled (each token an exact race "
-                        "keyed by seed and position, verified by argmax match: reproducible at any K), or auto (the "
-                        "default: coupled for requests with a seed)")
-    s.add_argument("--max-num-seqs", type=int, help="requests batched per verify step (default 16)")
-    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per verify step, prefill chunks included "
-                   "(default 2048)")
-    s.add_argument("--max-model-len", type=int, help="a request's context limit, prompt plus output (default: the "
-                   "model's)")
-    s.add_argument("--stats-log-interval", type=float, help="seconds between the verifier's one-line stats log "
-                   "(throughput, acceptance, hit rate, KV usage; default 10)")
-    s.add_argument("--max-queue", type=int, help="admitted requests before RESOURCE_EXHAUSTED (default 64)")
-    s.add_argument("--gpu", choices=["auto", "yes", "no"],
-                   help="GPUs for the actors (auto, the default: if the cluster has 2 x --gpu-fraction of them)")
-    s.add_argument("--gpu-fraction", type=float,
-                   help="each actor's share of a GPU: 1 = a GPU each (default), 0.5 = both actors on one GPU")
-    s.add_argument("--kv-memory-fraction", type=float,
-                   help="each KV pool's share of its device's free memory (default: 0.4 on a GPU; fixed on a CPU)")
-    s.add_argument("--device",
-                   help="auto (the default: the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N")
-    s.add_argument("--strategy", help="placement strategy: PACK (default) | SPREAD | STRICT_SPREAD | ...")
-    s.add_argument("--num-cpus", type=int, help="CPUs of the embedded local Ray (default: all)")
-    s.add_argument("--drain-grace", type=float, help="seconds in-flight streams get on SIGTERM (default 30)")
-    s.add_argument("--auth-token-file", help="require `authorization: Bearer <token>` (token read from this file)")
-    s.add_argument("--auth-token-env", help="... or from this environment variable")
-    s.add_argument("--tls-cert", help="TLS certificate (PEM) for the public API")
-    s.add_argument("--tls-key", help="TLS private key (PEM) for the public API")
-    s.add_argument("--pair", help="a named model pair for --target and --draft when they are not given: "
-                   "smollm2-135m (the default) or qwen2.5-coder-1.5b (`ssd install-models --pair ...` first)")
-    s.add_argument("--target", help="target: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--draft", help="draft: an HF model folder or a .gguf file (default: `ssd models`)")
-    s.add_argument("--dtype", help="auto (default) | float32 | bfloat16 | float16 | int8 | int4 | w8a8 | gguf")
-
+                   "2048`; docs/configuration.md lists them); flags given here override it; an unknown key is an "
+                   "error")
+    add_model_flags(s, ServiceConfig)
 
 
 def _add_client(sub) -> None:
@@ -126,40 +70,39 @@ def _add_client(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.launch import launch
-    from cluster.serve_config import ServeSettings
+    from cluster.launch import LaunchOptions, launch, verifier_config
     from spec_core.config import resolve_dtype
     from spec_core.model_paths import check_model_dir, model_name
+    from spec_core.settings import ServiceConfig
+    from ssd_cli.config_flags import given
 
-    given = {k: v for k, v in vars(args).items() if k in ServeSettings.model_fields}
     try:
-        settings = ServeSettings.load(getattr(args, "config", None), given)
-        cfg = settings.pair_config()
-        cfg = replace(cfg, log_level=logging.getLogger().getEffectiveLevel())  # the actors log as we do
-        cfg.verifier_config()  # validate before starting Ray
+        cfg = ServiceConfig.load(getattr(args, "config", None), given(args, ServiceConfig))
+        target, draft = cfg.model_paths()
+        verifier_config(cfg, target)  # validate before starting Ray
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    check_model_dir(cfg.target_path)
-    check_model_dir(cfg.draft_path)
-    if not settings.address:  # an embedded Ray: the actors bind on this machine, so say now if they cannot
+    check_model_dir(target)
+    check_model_dir(draft)
+    if not cfg.address:  # an embedded Ray: the actors bind on this machine, so say now if they cannot
         _check_ports(cfg.host, {"--port": cfg.port, "--http-port": cfg.http_port, "--metrics-port": cfg.metrics_port})
     t0 = time.monotonic()
-    if settings.address:
-        _progress(f"joining the Ray cluster at {settings.address}")
-        ray.init(address=settings.address, logging_level=logging.WARNING)
+    if cfg.address:
+        _progress(f"joining the Ray cluster at {cfg.address}")
+        ray.init(address=cfg.address, logging_level=logging.WARNING)
     else:
         _progress("starting a local Ray")
-        ray.init(address="local", num_cpus=settings.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     _progress(f"Ray up ({ray.cluster_resources().get('CPU', 0):.0f} CPUs) in {time.monotonic() - t0:.1f} s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    dtype = cfg.dtype if cfg.dtype != "auto" else f"auto: {resolve_dtype('auto', 'cpu', cfg.target_path)} on a CPU"
-    _progress(f"loading target {model_name(cfg.target_path)} (dtype {dtype}) in the verifier actor")
-    _progress(f"loading draft {model_name(cfg.draft_path)} in the drafter actor")
+    dtype = cfg.dtype if cfg.dtype != "auto" else f"auto: {resolve_dtype('auto', 'cpu', target)} on a CPU"
+    _progress(f"loading target {model_name(target)} (dtype {dtype}) in the verifier actor")
+    _progress(f"loading draft {model_name(draft)} in the drafter actor")
     t0 = time.monotonic()
-    try:
-        deployment = launch(cfg)
+    try:  # the actors log as the driver does
+        deployment = launch(cfg, options=LaunchOptions(log_level=logging.getLogger().getEffectiveLevel()))
     except Exception as exc:
         ray.shutdown()
         raise CliError(f"could not start the service: {exc}") from exc
@@ -174,9 +117,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if verifier.get("metrics_address"):
         _progress(f"listening: Prometheus metrics at http://{verifier['metrics_address']}/metrics")
     stop.wait()
-    logger.warning("draining (up to %.0f s) ...", settings.drain_grace)
-    deployment.shutdown(settings.drain_grace)
+    logger.warning("draining (up to %.0f s) ...", cfg.drain_grace)
+    deployment.shutdown(cfg.drain_grace)
     ray.shutdown()
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from spec_core.settings import ServeAppConfig, ServiceConfig, markdown
+
+    if args.markdown:
+        print(markdown(), end="")
+    elif args.schema:
+        print_json(ServeAppConfig.model_json_schema())
+    else:
+        import yaml
+
+        try:
+            cfg = ServiceConfig.load(args.config)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        print(yaml.safe_dump({k.replace("_", "-"): v for k, v in cfg.model_dump().items()}, sort_keys=False), end="")
     return 0
 
 

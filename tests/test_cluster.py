@@ -18,9 +18,11 @@ PROMPTS = [f"def task_{i}(x):\n    " for i in range(8)]
 
 
 def test_placement_one_gpu_each_in_one_group(ray_session, toy_pair, greedy_reference) -> None:
-    from cluster.launch import PairConfig, launch
+    from cluster.launch import launch
+    from spec_core.settings import ServiceConfig
 
-    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=True, dtype="float32"))
+    dep = launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], port=0, gpu="yes",
+                               dtype="float32"))
     try:
         info = dep.info()
         d, v = info["drafter"], info["verifier"]
@@ -39,11 +41,12 @@ def test_placement_one_gpu_each_in_one_group(ray_session, toy_pair, greedy_refer
 
 
 def test_strict_spread_on_one_node_times_out(ray_session, toy_pair) -> None:
-    from cluster.launch import PairConfig, PlacementError, launch
+    from cluster.launch import LaunchOptions, PlacementError, launch
+    from spec_core.settings import ServiceConfig
 
     with pytest.raises(PlacementError, match="not ready"):
-        launch(PairConfig(toy_pair["target"], toy_pair["draft"], strategy="STRICT_SPREAD",
-                          use_gpu=False, placement_timeout_s=2))
+        launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], strategy="STRICT_SPREAD", gpu="no"),
+               options=LaunchOptions(placement_timeout_s=2))
 
 
 def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, real_reference) -> None:

@@ -1,4 +1,5 @@
-"""``ssd serve --config serve.yaml``: the file sets every flag, flags override it, unknown keys and bad values fail
+"""The one configuration model: ``ssd serve``'s flags, its ``--config`` file, the Ray job's, the Serve app's
+arguments, the KubeRay manifest and ``docs/configuration.md`` all have its keys; unknown keys and bad values fail
 with one line naming them."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from cluster.serve_config import ServeSettings
+from spec_core.settings import ServeAppConfig, ServiceConfig
 
 #: A value for every setting, none of them the default.
 EVERY = {
@@ -33,24 +34,26 @@ def _serve_flags() -> set[str]:
 
 
 def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
-    assert _serve_flags() == set(ServeSettings.model_fields)
-    assert {k.replace("-", "_") for k in EVERY} == set(ServeSettings.model_fields)
+    from cluster.launch import drafter_config, verifier_config
+
+    assert _serve_flags() == set(ServiceConfig.model_fields)
+    assert {k.replace("-", "_") for k in EVERY} == set(ServiceConfig.model_fields)
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(EVERY))
-    s = ServeSettings.load(str(path), {})
+    cfg = ServiceConfig.load(str(path), {})
     for key, value in EVERY.items():
-        assert getattr(s, key.replace("-", "_")) == value, key
+        assert getattr(cfg, key.replace("-", "_")) == value, key
         if value is not None:
-            assert value != ServeSettings.model_fields[key.replace("-", "_")].default, f"{key} is its default"
-    cfg = s.pair_config()
-    v = cfg.verifier_config()
+            assert value != ServiceConfig.model_fields[key.replace("-", "_")].default, f"{key} is its default"
+    v = verifier_config(cfg, "/models/t")
+    d = drafter_config(cfg, "/models/t", "/models/d")
     assert (v.port, v.http_port, v.metrics_port, v.served_model_name, v.max_model_len) == (6000, 8001, 9100,
                                                                                            "my-model", 4096)
     assert v.scheduler.max_num_batched_tokens == 1024 and v.scheduler.max_num_seqs == 8
     assert v.spec.k == 3 and v.spec.budget == 5 and v.spec.saguaro_c == 0.5 and not v.spec.adaptive_k
-    assert str(v.spec.tree) == "3x1" and cfg.drafter_config().ssd.tree == v.spec.tree and v.spec.sampling == "coupled"
-    assert cfg.drafter_config().ssd.strategy == "run-ahead"
-    assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == cfg.drafter_config().ssd.max_nodes == 5
+    assert str(v.spec.tree) == "3x1" and d.ssd.tree == v.spec.tree and v.spec.sampling == "coupled"
+    assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "bfloat16"
+    assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 5
     assert v.cache.kv_memory_fraction == 0.3 and v.target.dtype == "bfloat16"
     assert v.auth_token_file == "/tmp/token" and v.stats_log_interval_s == 30.0
     assert v.max_body_bytes == 1048576 and cfg.drafter_host == "node-ip"
@@ -60,7 +63,7 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
 def test_flags_override_the_file(tmp_path) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text("port: 7000\nk: 4\n")
-    s = ServeSettings.load(str(path), {"k": 2})
+    s = ServiceConfig.load(str(path), {"k": 2})
     assert (s.port, s.k) == (7000, 2)
 
 
@@ -75,7 +78,7 @@ def test_bad_files_fail_naming_the_key(tmp_path, text, message) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        ServeSettings.load(str(path), {})
+        ServiceConfig.load(str(path), {})
 
 
 def test_cli_unknown_key_is_one_line_and_exit_2(tmp_path) -> None:
@@ -85,3 +88,79 @@ def test_cli_unknown_key_is_one_line_and_exit_2(tmp_path) -> None:
                          text=True, timeout=120)
     assert out.returncode == 2 and "unknown setting 'max_num_sequences'" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+#: The Serve app's own keys, none of them the default.
+APP_ONLY = {"num-replicas": 3, "pair-cpus": 0.3, "replica-cpus": 0.2, "max-ongoing-requests": 80}
+
+
+def test_the_serve_app_accepts_every_key() -> None:
+    """``build_app`` (what KubeRay's ``serveConfigV2`` runs) takes every key of the one model, and each replica's
+    pair gets every one of them (but the two that only start a Ray: ``address``, ``num-cpus``)."""
+    from cluster.serve_app import NOT_IN_A_REPLICA, build_app, replica_config
+
+    assert {k.replace("-", "_") for k in {**EVERY, **APP_ONLY}} == set(ServeAppConfig.model_fields)
+    deployment = build_app({**EVERY, **APP_ONLY})._bound_deployment
+    (pair,) = deployment._replica_config.init_args
+    replica = replica_config(pair)
+    for key, value in EVERY.items():
+        name = key.replace("-", "_")
+        if name == "max_queue":
+            assert replica.max_queue == 80  # the replica admits what Serve sends it
+        elif name in NOT_IN_A_REPLICA:
+            assert name not in pair
+        else:
+            assert getattr(replica, name) == value, key
+    assert deployment.num_replicas == 3 and deployment.max_ongoing_requests == 80
+    assert deployment._replica_config.placement_group_bundles == [{"CPU": 0.2}, {"CPU": 0.3}, {"CPU": 0.3}]
+    assert deployment._replica_config.placement_group_strategy == "SPREAD"
+
+
+def test_a_replica_takes_any_free_port_unless_told() -> None:
+    from cluster.serve_app import build_app, replica_config
+
+    (pair,) = build_app({"k": 3})._bound_deployment._replica_config.init_args
+    cfg = replica_config(pair)
+    assert (cfg.port, cfg.metrics_port, cfg.http_port, cfg.k, cfg.gpu) == (0, 0, None, 3, "yes")
+
+
+@pytest.mark.parametrize("args, message", [({"bogus": 1}, "unknown setting 'bogus'"), ({"k": 0}, "^k:"),
+                                           ({"gpu": "maybe"}, "^gpu:")])
+def test_the_serve_app_refuses_bad_keys_naming_them(args, message) -> None:
+    from cluster.serve_app import build_app
+
+    with pytest.raises(ValueError, match=message):
+        build_app(args)
+
+
+def test_the_kuberay_manifest_uses_the_models_keys() -> None:
+    from pathlib import Path
+
+    docs = list(yaml.safe_load_all(Path(__file__).parents[1].joinpath("k8s/rayservice.yaml").read_text()))
+    service = next(d for d in docs if d and d.get("kind") == "RayService")
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert set(app["args"]) <= set(ServeAppConfig.model_fields)
+    ServeAppConfig.load(None, app["args"])
+
+
+def test_the_configuration_docs_are_generated_from_the_model() -> None:
+    from pathlib import Path
+
+    from spec_core.settings import docs_block, markdown
+
+    block = docs_block(Path(__file__).parents[1].joinpath("docs/configuration.md").read_text())
+    assert block == markdown(), "docs/configuration.md is stale: put `ssd config --markdown` between its markers"
+    for name in ServeAppConfig.model_fields:
+        assert f"| `{name.replace('_', '-')}` |" in block
+
+
+def test_a_batch_job_places_its_config_with_its_own_needs(tmp_path) -> None:
+    from cluster.batch_job import job_config
+    from verifier_service.batch_requests import BatchSettings
+
+    path = tmp_path / "job.yaml"
+    path.write_text("tree: chain\nsampling: coupled\nk: 2\nmax-queue: 8\n")
+    cfg = job_config(ServiceConfig.load(str(path), {"dtype": "int4"}), BatchSettings(mode="ssd", concurrency=16, k=4,
+                                                                                     draft_path="/d"))
+    assert (cfg.tree, cfg.sampling, cfg.dtype, cfg.k) == ("chain", "coupled", "int4", 4)
+    assert (cfg.host, cfg.port, cfg.max_num_seqs, cfg.max_queue) == ("node-ip", 0, 16, 16)

@@ -31,12 +31,13 @@ def _stats(client: SSDClient) -> dict:
 
 
 def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_reference) -> None:
-    from cluster.launch import PairConfig, launch
+    from cluster.launch import launch
+    from spec_core.settings import ServiceConfig
 
     # Chains: this test measures that the restarted drafter's cache serves again (hits ≥ 0.5), not the lower hit
     # rate candidate trees trade for tokens per round (README, "SSD candidate trees").
-    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=0, use_gpu=False, adaptive_k=False,
-                            dtype="float32", tree="chain"))
+    dep = launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], port=0, gpu="no", fixed_k=True,
+                               dtype="float32", tree="chain"))
     try:
         old_pid = ray.get(dep.drafter.pid.remote())
         with SSDClient(dep.address) as client:
@@ -81,11 +82,12 @@ def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_re
 
 
 def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, greedy_reference) -> None:
-    from cluster.launch import PairConfig, launch
+    from cluster.launch import launch
+    from spec_core.settings import ServiceConfig
 
     port = free_port()  # a fixed public port: the restarted verifier binds it again
-    dep = launch(PairConfig(toy_pair["target"], toy_pair["draft"], port=port, use_gpu=False,
-                            adaptive_k=False, dtype="float32"))
+    dep = launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], port=port, gpu="no",
+                               fixed_k=True, dtype="float32"))
     try:
         old_pid = ray.get(dep.verifier.pid.remote())
         ref = greedy_reference(PROMPTS[0], 300)

@@ -39,7 +39,8 @@ from verifier_service.server import VerifierServer, VerifierServerConfig
 def test_the_drafter_binds_loopback_on_one_node(monkeypatch, tmp_path) -> None:
     import ray
 
-    from cluster.launch import PairConfig, drafter_bind_host, link_security
+    from cluster.launch import drafter_bind_host, drafter_config, link_security, verifier_config
+    from spec_core.settings import ServiceConfig
 
     nodes = {"bundles_to_node_id": {0: "a", 1: "a", 2: "b"}}
     monkeypatch.setattr(ray.util, "placement_group_table", lambda pg: nodes)
@@ -51,11 +52,12 @@ def test_the_drafter_binds_loopback_on_one_node(monkeypatch, tmp_path) -> None:
     beyond = link_security("node-ip", public)
     assert beyond.drafter_tls.cert == "/c.pem" and beyond.verifier_tls.ca == "/c.pem"
     assert beyond.auth_token_file == "/t"
-    pair = PairConfig("t", "d", extra_verifier=public)
-    assert pair.drafter_config("127.0.0.1").host == "127.0.0.1" and pair.drafter_config("127.0.0.1").tls is None
-    far = pair.drafter_config("node-ip")
+    pair = ServiceConfig(target="/t", draft="/d", dtype="float32", **public)
+    near = drafter_config(pair, "/t", "/d", "127.0.0.1")
+    assert near.host == "127.0.0.1" and near.tls is None
+    far = drafter_config(pair, "/t", "/d", "node-ip")
     assert far.tls is not None and far.auth_token_file == "/t"
-    assert pair.verifier_config("node-ip").internal_tls.ca == "/c.pem"
+    assert verifier_config(pair, "/t", "node-ip").internal_tls.ca == "/c.pem"
 
 
 def test_a_drafter_with_a_token_refuses_a_link_without_it(toy_pair, tmp_path) -> None:

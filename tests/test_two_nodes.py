@@ -67,13 +67,14 @@ def link_pki(two_nodes, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def spread(two_nodes, link_pki, real_pair):
     """The default pair launched STRICT_SPREAD with TLS and a token on the public API (so on the link too)."""
-    from cluster.launch import PairConfig, launch
+    from cluster.launch import LaunchOptions, launch
+    from spec_core.settings import ServiceConfig
 
     public = {"tls_cert": str(link_pki / "cert.pem"), "tls_key": str(link_pki / "key.pem"),
               "auth_token_file": str(link_pki / "token")}
-    dep = launch(PairConfig(real_pair["target"], real_pair["draft"], port=0, dtype="float32", use_gpu=False,
-                            strategy="STRICT_SPREAD", placement_timeout_s=30, start_timeout_s=120,
-                            extra_verifier=public))
+    dep = launch(ServiceConfig(target=real_pair["target"], draft=real_pair["draft"], port=0, dtype="float32",
+                               gpu="no", strategy="STRICT_SPREAD", **public),
+                 options=LaunchOptions(placement_timeout_s=30, start_timeout_s=120))
     yield dep
     dep.shutdown(grace_s=5)
 

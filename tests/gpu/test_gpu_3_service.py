@@ -1,14 +1,11 @@
 """The service on one GPU: the drafter and verifier actors share it through fractional GPU bundles (Ray), and a
 short greedy generation through the gRPC front equals the target's own greedy tokens (transformers, fp32).
 
-Expected API (cluster/launch.py): ``PairConfig(use_gpu=True, gpu_fraction=0.5)`` places both actors on bundles of
-``{"GPU": 0.5, "CPU": 1}``; each actor then sees the same GPU (``CUDA_VISIBLE_DEVICES``) and loads its model there.
-Without a ``gpu_fraction`` field the test still tries ``use_gpu=True`` as it is, which asks a whole GPU per actor.
+``ServiceConfig(gpu="yes", gpu_fraction=0.5)`` places both actors on bundles of ``{"GPU": 0.5, "CPU": 1}``; each
+actor then sees the same GPU (``CUDA_VISIBLE_DEVICES``) and loads its model there.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -22,27 +19,20 @@ NEW = 24
 
 @pytest.mark.timeout(480)
 def test_pair_shares_one_gpu_and_equals_ar(gpu_ray, real_pair, prompts, hf_greedy, compare, device, log):
-    from cluster.launch import PairConfig, PlacementError, launch
+    from cluster.launch import LaunchOptions, PlacementError, launch
+    from spec_core.settings import ServiceConfig
     from verifier_service.client import SSDClient
 
-    fields = {f.name for f in dataclasses.fields(PairConfig)}
-    kw = dict(port=0, use_gpu=True, dtype="float32", k=2, pin_cores=False, placement_timeout_s=30,
-              start_timeout_s=300)
-    if "gpu_fraction" in fields:
-        kw["gpu_fraction"] = 0.5
+    kw = dict(port=0, gpu="yes", dtype="float32", k=2, gpu_fraction=0.5)
     log(f"launching the pair with {kw}; cluster resources {gpu_ray.cluster_resources()}")
     dep = error = None
     try:
-        dep = launch(PairConfig(real_pair["target"], real_pair["draft"], **kw))
+        dep = launch(ServiceConfig(target=real_pair["target"], draft=real_pair["draft"], **kw),
+                     options=LaunchOptions(pin_cores=False, placement_timeout_s=30, start_timeout_s=300))
     except PlacementError as exc:
         error = exc
     if error is not None:
-        pytest.fail("API gap: the pair cannot share one GPU. cluster/launch.py bundles_for() asks "
-                    "{'GPU': 1.0, 'CPU': 1.0} per actor and launch() passes num_gpus=1 to each actor (a Serve "
-                    "replica's group is read as GPU only if its bundle has GPU >= 1; cluster/serve_app.py "
-                    "pair_bundles() asks 1 GPU per actor too), and PairConfig has "
-                    f"{'a' if 'gpu_fraction' in fields else 'no'} gpu_fraction option, so on a one-GPU node the "
-                    f"placement group never becomes ready. Launch error: {error}")
+        pytest.fail(f"the pair could not share one GPU (gpu-fraction 0.5): {error}")
     try:
         info = dep.info()
         d, v = info["drafter"], info["verifier"]
