@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_core.block_manager import BlockManager, NoFreeBlocks
+from spec_core.config import DEFAULT_K
 from spec_core.coupling import keys_tensor, race_scores
 from spec_core.packing import reconcile_tree_slots
 from spec_core.runner import ModelRunner
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DraftConfig:
-    k: int = 5
+    k: int = DEFAULT_K
     branching: int = 1
     num_blocks: int = 512
     block_size: int = 16

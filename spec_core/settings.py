@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from spec_core.config import SSD_DEFAULT_TREE, TreeShape
+from spec_core.config import DEFAULT_K, SSD_DEFAULT_TREE, TreeShape
 from spec_core.fanout import FanoutConfig
 
 #: Sections of ``docs/configuration.md``, in order.
@@ -58,7 +58,7 @@ class ServiceConfig(BaseModel):
     served_model_name: str | None = setting(None, "the `model` name HTTP clients use (default: the target's "
                                             "name)", "models")
 
-    k: int = setting(2, "lookahead K: the most tokens a round speculates", "speculation", ge=1)
+    k: int = setting(DEFAULT_K, "lookahead K: the most tokens a round speculates", "speculation", ge=1)
     budget: int | None = setting(None, "pre-drafted branches per request (fan-out budget; default "
                                  f"{FanoutConfig().budget})", "speculation", ge=1)
     ssd_strategy: Literal["auto", "fanout", "run-ahead"] = setting(

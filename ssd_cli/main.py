@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from spec_core.config import SAMPLING_RULES, SSD_STRATEGIES  # stdlib-only: the CLI's choices, before torch
+from spec_core.config import DEFAULT_K, SAMPLING_RULES, SSD_STRATEGIES  # stdlib-only: the CLI's choices, before torch
 from spec_core.prompts import CHAT_SETS, CODE_SET
 
 logger = logging.getLogger("ssd")
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", help="one user turn, sent through the model's chat template")
     g.add_argument("--messages", help="a JSON file with an OpenAI-style list of {role, content} messages")
     g.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
-    g.add_argument("--k", type=int, default=5, help="draft tokens per round (default 5; the most adaptive K plans)")
+    g.add_argument("--k", type=int, default=DEFAULT_K,
+                   help=f"draft tokens per round (default {DEFAULT_K}; the most adaptive K plans)")
     g.add_argument("--fixed-k", action="store_true",
                    help="modes sd and ssd speculate K tokens every round (default: adaptive K per step, down to "
                         "0, from measured costs, as ssd serve does)")
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--output", required=True, help="JSONL results, in input order")
     bt.add_argument("--mode", default="sd", help="ar | sd | ssd (default sd)")
     bt.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    bt.add_argument("--k", type=int, default=5)
+    bt.add_argument("--k", type=int, default=DEFAULT_K, help=f"lookahead K (default {DEFAULT_K})")
     bt.add_argument("--branching", type=int, default=1, help="tree branches at the root (1 = chain)")
     bt.add_argument("--max-new-tokens", type=int, default=128, help="default for lines without one")
     bt.add_argument("--kv-blocks", type=int, default=2048, help="KV cache budget in blocks of 16 tokens")
@@ -105,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chat", default="What is the capital of France, and what is it famous for?",
                    help="the question")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--k", type=int, default=3, help="SD lookahead (default 3, ssd bench's)")
-    d.add_argument("--ssd-k", type=int, default=3, help="SSD lookahead, the most adaptive K plans (default 3, ssd "
-                   "bench's)")
+    d.add_argument("--k", type=int, default=DEFAULT_K, help=f"SD lookahead (default {DEFAULT_K})")
+    d.add_argument("--ssd-k", type=int, default=DEFAULT_K,
+                   help=f"SSD lookahead, the most adaptive K plans (default {DEFAULT_K})")
     d.add_argument("--fixed-k", action="store_true",
                    help="modes sd and ssd speculate K tokens every round (default: adaptive K per step, down to "
                         "0, from measured costs, as ssd serve does)")
@@ -123,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default="ar,sd")
     b.add_argument("--num-prompts", type=int, default=20)
     b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--k", type=int, default=3,
-                   help="K for the sd and ssd modes, the most adaptive K plans (default 3: the best of both in "
-                        "--sweep k on the default pair; at 5 the drafter's bundles rarely fit in a verify)")
+    b.add_argument("--k", type=int, default=DEFAULT_K,
+                   help=f"K for the sd and ssd modes, the most adaptive K plans (default {DEFAULT_K}: the best of both "
+                        "in --sweep k on the default pair; at 5 the drafter's bundles rarely fit in a verify)")
     b.add_argument("--repeats", type=int, default=1, help="passes over the prompts (interleaved by prompt)")
     b.add_argument("--temperatures", default="0")
     b.add_argument("--concurrency", default="1", help="comma-separated requests in flight, e.g. 1,4,16 "

@@ -17,7 +17,7 @@ EVERY = {
     "address": "10.0.0.1:6379", "host": "0.0.0.0", "port": 6000, "http-port": 8001, "metrics-port": 9100,
     "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16",
     "device": "cpu",
-    "served-model-name": "my-model", "k": 3, "budget": 5, "ssd-strategy": "run-ahead", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
+    "served-model-name": "my-model", "k": 4, "budget": 5, "ssd-strategy": "run-ahead", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
     "backup-policy": "fast", "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
     "drain-grace": 5.0, "auth-token-file": "/tmp/token", "auth-token-env": "TOKEN", "tls-cert": None,
@@ -50,10 +50,10 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
     assert (v.port, v.http_port, v.metrics_port, v.served_model_name, v.max_model_len) == (6000, 8001, 9100,
                                                                                            "my-model", 4096)
     assert v.scheduler.max_num_batched_tokens == 1024 and v.scheduler.max_num_seqs == 8
-    assert v.spec.k == 3 and v.spec.budget == 5 and v.spec.saguaro_c == 0.5 and not v.spec.adaptive_k
+    assert v.spec.k == 4 and v.spec.budget == 5 and v.spec.saguaro_c == 0.5 and not v.spec.adaptive_k
     assert str(v.spec.tree) == "3x1" and d.ssd.tree == v.spec.tree and v.spec.sampling == "coupled"
     assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "bfloat16"
-    assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 5
+    assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 6
     assert v.cache.kv_memory_fraction == 0.3 and v.target.dtype == "bfloat16"
     assert v.auth_token_file == "/tmp/token" and v.stats_log_interval_s == 30.0
     assert v.max_body_bytes == 1048576 and cfg.drafter_host == "node-ip"

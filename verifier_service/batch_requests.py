@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spec_core.chat import ChatPrompt
-from spec_core.config import SamplingParams
+from spec_core.config import DEFAULT_K, SamplingParams
 
 _PARAM_KEYS = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
                "ignore_eos": bool}
@@ -23,7 +23,7 @@ _PARAM_KEYS = {"max_new_tokens": int, "temperature": float, "top_p": float, "top
 class BatchSettings:
     mode: str = "sd"
     concurrency: int = 8
-    k: int = 5
+    k: int = DEFAULT_K
     branching: int = 1
     max_new_tokens: int = 128
     num_blocks: int = 2048
