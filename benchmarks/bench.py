@@ -17,6 +17,7 @@ from benchmarks.report import ModeRuns, build_report, concurrency_row, print_sum
 from spec_core.config import SSD_DEFAULT_TREE, ModelConfig, SamplingParams, TreeShape
 from spec_core.models import LoadedPair, set_threads
 from spec_core.prompts import CHAT_SETS, CODE_SET, chat_prompts, code_prompts, humaneval_prompts, read_prompt_file
+from spec_core.settings import ServiceConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,15 @@ class BenchSettings:
     sd_adaptive: bool = False
     #: The ssd modes' drafting strategy (``SSDConfig.strategy``).
     ssd_strategy: str = "auto"
+
+    def service_config(self, target: str, draft: str, dtype: str, draft_dtype: str | None = None,
+                       mode: str = "ssd") -> ServiceConfig:
+        """The ssd modes' settings as the one configuration: the local ``ssd`` rows and ``ssd-service`` run exactly
+        these (``ssd-chain``: a chain; ``ssd-coupled``: coupled sampling)."""
+        return ServiceConfig(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype, k=self.k,
+                             budget=self.budget, saguaro_c=self.saguaro_c, ssd_strategy=self.ssd_strategy,
+                             tree="chain" if mode == "ssd-chain" else self.tree, fixed_k=not self.adaptive_k,
+                             sampling="coupled" if mode == "ssd-coupled" else self.sampling, port=0)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:

@@ -92,8 +92,9 @@ class ModeRunner:
         if "ssd-service" in settings.modes:
             from benchmarks.service_mode import ServiceMode
 
-            self.service = ServiceMode(target.path, draft.path, settings.k, dtype=target.resolved_dtype)
-        self.local_ssds = {m: self._local_ssd(m, settings, draft) for m in LOCAL_SSD_MODES if m in modes}
+            self.service = ServiceMode(settings.service_config(target.path, draft.path, target.resolved_dtype,
+                                                               draft.dtype))
+        self.local_ssds = {m: self._local_ssd(m, settings, target, draft) for m in LOCAL_SSD_MODES if m in modes}
         self.local_ssd = self.local_ssds.get("ssd")
         self.ssd_extra: dict[str, list[dict]] = {m: [] for m in (*LOCAL_SSD_MODES, "ssd-service")}
         self.planners: dict[str, object] = {}
@@ -133,20 +134,14 @@ class ModeRunner:
         peer = self.llama_cpp_spec if mode == LLAMA_CPP_SPEC else self.llama_cpp if mode in LLAMA_CPP_MODES else None
         return {"llama_cpp": peer.record()} if peer is not None else {}
 
-    def _local_ssd(self, mode: str, settings: BenchSettings, draft: ModelConfig):
+    def _local_ssd(self, mode: str, settings: BenchSettings, target: ModelConfig, draft: ModelConfig):
         """A local two-process SSD for ``mode``, entered (closed by :meth:`close`)."""
         from cluster.local_ssd import LocalSSD, LocalSSDConfig
-        from spec_core.config import SSDConfig, TreeShape
-        from spec_core.fanout import FanoutConfig
 
         pair = self.gen.pair
-        tree = TreeShape.parse("chain" if mode == "ssd-chain" else settings.tree)
-        ssd_cfg = SSDConfig(k=settings.k, fanout=FanoutConfig(budget=settings.budget), saguaro_c=settings.saguaro_c,
-                            tree=tree, strategy=settings.ssd_strategy)
-        local_cfg = LocalSSDConfig(draft.path, ssd_cfg, draft_dtype=draft.dtype, draft_pad_rows=draft.pad_rows,
-                                   draft_cpu_kernels=draft.cpu_kernels, adaptive_k=settings.adaptive_k,
-                                   lend_cores=settings.lend_cores,
-                                   sampling="coupled" if mode == "ssd-coupled" else settings.sampling)
+        config = settings.service_config(target.path, draft.path, target.resolved_dtype, draft.dtype, mode)
+        local_cfg = LocalSSDConfig.from_config(draft.path, config, draft_pad_rows=draft.pad_rows,
+                                               draft_cpu_kernels=draft.cpu_kernels, lend_cores=settings.lend_cores)
         return LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
 
     def close(self) -> None:

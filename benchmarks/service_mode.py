@@ -1,9 +1,9 @@
 """Bench mode ``ssd-service``: SSD through the real service (Ray-placed drafter and verifier, gRPC between them
 and to this client). Timing is what the client observes: each token is stamped when its delta arrives here.
 
-At concurrency 1 the service runs at a fixed K, like the local ``ssd`` mode; at concurrency > 1 it is relaunched
-with adaptive K (what ``ssd serve`` runs by default, and what the batched local modes use), and ``c`` streaming
-clients keep ``c`` requests in flight."""
+It runs the local ``ssd`` row's settings (:meth:`benchmarks.bench.BenchSettings.service_config`), except that at
+concurrency 1 it runs at a fixed K and at concurrency > 1 it is relaunched with adaptive K (what ``ssd serve`` runs
+by default); ``c`` streaming clients keep ``c`` requests in flight."""
 
 from __future__ import annotations
 
@@ -14,20 +14,21 @@ from concurrent.futures import ThreadPoolExecutor
 from protos import codec
 from spec_core.config import SamplingParams
 from spec_core.metrics import DecodeStats, ratio
+from spec_core.settings import ServiceConfig
 from verifier_service.api import GenerationResult
 
 logger = logging.getLogger(__name__)
 
 
 class ServiceMode:
-    def __init__(self, target_path: str, draft_path: str, k: int, dtype: str = "auto") -> None:
-        """``dtype``: the target's, as every other bench row runs it (the drafter's follows, as ``ssd serve``'s)."""
+    def __init__(self, config: ServiceConfig) -> None:
+        """``config``: the pair and its settings (the target's dtype as every other bench row runs it)."""
         import ray
 
         self._own_ray = not ray.is_initialized()
         if self._own_ray:
             ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-        self.paths, self.k, self.dtype = (target_path, draft_path), k, dtype
+        self.config = config
         self.adaptive: bool | None = None
         self.deployment = self.client = None
         self.configure(adaptive=False)
@@ -35,7 +36,6 @@ class ServiceMode:
     def configure(self, adaptive: bool) -> None:
         """(Re)launch the pair with or without adaptive K; a no-op when it already runs that way."""
         from cluster.launch import launch
-        from spec_core.settings import ServiceConfig
         from verifier_service.client import SSDClient
 
         if self.adaptive == adaptive:
@@ -43,9 +43,7 @@ class ServiceMode:
         if self.deployment is not None:
             self.client.close()
             self.deployment.shutdown(grace_s=5)
-        target, draft = self.paths
-        self.deployment = launch(ServiceConfig(target=target, draft=draft, k=self.k, port=0, fixed_k=not adaptive,
-                                               dtype=self.dtype))
+        self.deployment = launch(self.config.model_copy(update={"fixed_k": not adaptive}))
         self.client = SSDClient(self.deployment.address)
         self.adaptive = adaptive
 

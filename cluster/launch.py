@@ -30,13 +30,9 @@ from protos.security import TLSFiles, is_loopback
 from spec_core.config import (
     CacheConfig,
     ModelConfig,
-    SpeculationConfig,
-    SSDConfig,
-    TreeShape,
     draft_dtype,
     resolve_dtype,
 )
-from spec_core.fanout import FanoutConfig
 from spec_core.settings import ServiceConfig
 from verifier_service.scheduler import SchedulerConfig
 from verifier_service.server import VerifierServerConfig
@@ -89,11 +85,8 @@ class LaunchOptions:
 
 def verifier_config(cfg: ServiceConfig, target: str, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
     """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
-    spec = SpeculationConfig(mode="ssd", k=cfg.k, budget=cfg.fanout_budget, saguaro_c=cfg.saguaro_c,
-                             adaptive_k=cfg.adaptive_k, backup_policy=cfg.backup_policy,
-                             tree=TreeShape.parse(cfg.tree), sampling=cfg.sampling)
     public = cfg.public_security()
-    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device), spec=spec,
+    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device), spec=cfg.speculation(),
                                 cache=CacheConfig(kv_memory_fraction=cfg.kv_memory_fraction),
                                 scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                                           max_num_batched_tokens=cfg.max_num_batched_tokens),
@@ -107,14 +100,13 @@ def verifier_config(cfg: ServiceConfig, target: str, drafter_host: str = "127.0.
 def drafter_config(cfg: ServiceConfig, target: str, draft: str, host: str = "127.0.0.1",
                    on_gpu: bool = False) -> DrafterServerConfig:
     """The drafter's settings, bound to ``host`` ("node-ip": the node's IP) with the link's credentials. On CPUs
-    the draft's dtype follows the target's as it resolves there (an int4 target: an int4 draft), as locally."""
-    ssd = SSDConfig(k=cfg.k, fanout=FanoutConfig(budget=cfg.fanout_budget), saguaro_c=cfg.saguaro_c,
-                    tree=TreeShape.parse(cfg.tree), strategy=cfg.ssd_strategy)
+    the draft's dtype (unless ``draft_dtype`` is given) follows the target's as it resolves there (an int4 target:
+    an int4 draft), as locally."""
     target_dtype = cfg.dtype if on_gpu or cfg.device not in ("auto", "cpu") else resolve_dtype(cfg.dtype, "cpu",
                                                                                                 target)
-    model = ModelConfig(draft, draft_dtype(target_dtype, path=draft), cfg.device)
+    model = ModelConfig(draft, cfg.draft_dtype or draft_dtype(target_dtype, path=draft), cfg.device)
     sec = link_security(host, cfg.public_security())
-    return DrafterServerConfig(model, ssd, host=host, kv_memory_fraction=cfg.kv_memory_fraction,
+    return DrafterServerConfig(model, cfg.ssd_config(), host=host, kv_memory_fraction=cfg.kv_memory_fraction,
                                tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,
                                auth_token_env=sec.auth_token_env)
 

@@ -23,6 +23,7 @@ from protos import codec
 from spec_core.arch import decode_params
 from spec_core.config import SSDConfig, draft_dtype
 from spec_core.runner import ModelRunner
+from spec_core.settings import ServiceConfig
 from verifier_service.core_lending import core_lending
 from verifier_service.engine import VerifierEngine
 from verifier_service.engine_builder import EnginePlan, build_engine
@@ -63,6 +64,19 @@ class LocalSSDConfig:
     sampling: str = "auto"
     #: Plain steps borrow the drafter's core while nothing speculates (:mod:`verifier_service.core_lending`).
     lend_cores: bool = True
+
+    @classmethod
+    def from_config(cls, draft_path: str, config: ServiceConfig, drafter_pool: dict | None = None,
+                    **process) -> LocalSSDConfig:
+        """The local pair running the one configuration's speculation and engine settings, as ``ssd serve`` would
+        (K, budget, C, tree, strategy, adaptive K, backup policy, sampling, batch size, the draft's dtype);
+        ``drafter_pool``: the drafter's KV pool size; ``process``: this path's own fields (cores, the verifier's
+        KV pool, the draft runner's options, lending)."""
+        if config.draft_dtype is not None:
+            process.setdefault("draft_dtype", config.draft_dtype)
+        return cls(draft_path, config.ssd_config(**(drafter_pool or {})), adaptive_k=config.adaptive_k,
+                   backup_policy=config.backup_policy, sampling=config.sampling, max_num_seqs=config.max_num_seqs,
+                   **process)
 
 
 class LocalSSD:

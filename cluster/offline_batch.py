@@ -19,6 +19,7 @@ from spec_core.detokenizer import IncrementalDetokenizer
 from spec_core.draft_engine import BatchDrafter, DraftConfig
 from spec_core.models import LoadedPair
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 from verifier_service.batch_requests import BatchSettings
 from verifier_service.engine import VerifierEngine
 from verifier_service.engine_builder import EnginePlan, build_engine
@@ -69,17 +70,18 @@ def result_json(seq: Sequence, engine: VerifierEngine) -> dict:
     }
 
 
-def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: BatchSettings) -> dict:
-    """Run ``requests`` (from :func:`verifier_service.batch_requests.read_requests`); write results in input order; return engine metrics."""
+def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: BatchSettings,
+              config: ServiceConfig | None = None) -> dict:
+    """Run ``requests`` (from :func:`verifier_service.batch_requests.read_requests`); write results in input order;
+    return engine metrics. Mode ssd runs ``config``'s speculation settings (default: the one config's defaults)
+    with the batch's K, concurrency and KV pool."""
     seqs = make_sequences(pair, requests)
     if settings.mode == "ssd":
         from cluster.local_ssd import LocalSSD, LocalSSDConfig
-        from spec_core.config import SSDConfig
 
-        cfg = LocalSSDConfig(settings.draft_path, SSDConfig(k=settings.k, num_blocks=settings.num_blocks,
-                                                            block_size=settings.block_size),
-                             max_num_seqs=settings.concurrency, num_blocks=settings.num_blocks,
-                             block_size=settings.block_size)
+        base = (config or ServiceConfig()).model_copy(update={"k": settings.k, "max_num_seqs": settings.concurrency})
+        pool = {"num_blocks": settings.num_blocks, "block_size": settings.block_size}
+        cfg = LocalSSDConfig.from_config(settings.draft_path, base, drafter_pool=pool, **pool)
         with LocalSSD(pair.target, cfg, eos_ids=pair.eos_ids) as local:
             summary = _run_engine(local.engine, seqs, output_path)
             summary["cache_hit_rate"] = local.proposer.stats.cache_hit_rate

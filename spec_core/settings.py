@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from spec_core.config import DEFAULT_K, SSD_DEFAULT_TREE, TreeShape
+from spec_core.config import DEFAULT_K, SSD_DEFAULT_TREE, SpeculationConfig, SSDConfig, TreeShape
 from spec_core.fanout import FanoutConfig
 
 #: Sections of ``docs/configuration.md``, in order.
@@ -54,6 +54,9 @@ class ServiceConfig(BaseModel):
                                 "models")
     dtype: str = setting("auto", "auto | float32 | bfloat16 | float16 | int8 | int4 | w8a8 | gguf (the draft "
                          "follows the target's as it resolves on a CPU)", "models")
+    draft_dtype: str | None = setting(None, "the draft's dtype (default: the target's as it resolves on the "
+                                      "device; under a weight format on a CPU, int4 or the draft GGUF's own)",
+                                      "models")
     device: str = setting("auto", "auto (the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N", "models")
     served_model_name: str | None = setting(None, "the `model` name HTTP clients use (default: the target's "
                                             "name)", "models")
@@ -140,6 +143,17 @@ class ServiceConfig(BaseModel):
     def use_gpu(self) -> bool | None:
         """None: decide from the cluster's GPUs."""
         return {"auto": None, "yes": True, "no": False}[self.gpu]
+
+    def ssd_config(self, **pool: Any) -> SSDConfig:
+        """The drafter's side of these settings (``pool``: its KV pool's size, where not from device memory)."""
+        return SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.fanout_budget), saguaro_c=self.saguaro_c,
+                         tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy, **pool)
+
+    def speculation(self) -> SpeculationConfig:
+        """The verifier's side of these settings."""
+        return SpeculationConfig(mode="ssd", k=self.k, budget=self.fanout_budget, saguaro_c=self.saguaro_c,
+                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
+                                 tree=TreeShape.parse(self.tree), sampling=self.sampling)
 
     def model_paths(self) -> tuple[str, str]:
         """Absolute target and draft paths: the given ones, else ``pair``'s, else ``ssd models``'."""

@@ -135,34 +135,42 @@ def cmd_batch(args: argparse.Namespace) -> int:
                              max_new_tokens=args.max_new_tokens, num_blocks=args.kv_blocks,
                              draft_path=draft.path if draft else None)
     ray_address = args.address or os.environ.get("RAY_ADDRESS")
-    if args.mode == "ssd" and ray_address and not args.local:
+    on_ray = args.mode == "ssd" and ray_address and not args.local
+    config = _batch_config(args, target, draft, on_ray) if args.mode == "ssd" else None
+    if on_ray:
         from cluster.batch_job import run_batch_on_ray
-        from spec_core.settings import ServiceConfig
 
-        device = target.device if target.device.startswith("cuda") else "auto"  # cpu: let each actor choose
-        try:
-            config = ServiceConfig.load(args.config, {"target": target.path, "draft": draft.path,
-                                                      "dtype": target.dtype, "device": device})
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
         summary = run_batch_on_ray(ray_address, requests, Path(args.output), settings, config)
     else:
         from cluster.offline_batch import run_batch
         from spec_core.models import load_pair, set_threads
 
         set_threads(args.threads)
-        summary = run_batch(load_pair(target, draft), requests, Path(args.output), settings)
+        summary = run_batch(load_pair(target, draft), requests, Path(args.output), settings, config)
     logger.info("batch: %s", summary)
     sys.stderr.write(f"{summary['requests']} requests, {summary['generated_tokens']} tokens in "
                      f"{summary['wall_s']:.1f}s ({summary['tokens_per_s']:.1f} tok/s)\n")
     return 0
 
 
+def _batch_config(args: argparse.Namespace, target, draft, on_ray: bool):
+    """``--mode ssd``'s pair settings: the ``--config`` file's, under the model flags (on Ray each actor chooses its
+    device unless one is named)."""
+    from spec_core.settings import ServiceConfig
+
+    device = target.device if target.device.startswith("cuda") or not on_ray else "auto"
+    try:
+        return ServiceConfig.load(args.config, {"target": target.path, "draft": draft.path, "dtype": target.dtype,
+                                                "draft_dtype": draft.dtype, "device": device})
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
 def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: bool = True):
     """One request through local two-process SSD (verifier here on core 0, drafter process on core 1), with adaptive
     K up to ``k`` as ``ssd serve`` runs it (``adaptive=False``: K every round)."""
     from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
-    from spec_core.config import SSDConfig
+    from spec_core.settings import ServiceConfig
     from verifier_service.api import GenerationResult
 
     if k < 1:
@@ -170,7 +178,7 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: b
     ids = chat.encode(gen.tokenizer, prompt)
     gen.check_token_ids(ids)
     pair = gen.pair
-    config = LocalSSDConfig(draft_path, SSDConfig(k=k), adaptive_k=adaptive)
+    config = LocalSSDConfig.from_config(draft_path, ServiceConfig(k=k, fixed_k=not adaptive))
     with LocalSSD(pair.target, config, eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
     ssd["plain_round_fraction"] = stats.plain_round_fraction or 0.0  # ssd bench's field

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--address", help="mode ssd: run on this Ray cluster, drafter and verifier as placed actors "
                     "(under `ray job submit` the job's cluster, from RAY_ADDRESS, is used automatically)")
     bt.add_argument("--local", action="store_true", help="mode ssd: ignore RAY_ADDRESS; run the local two-process SSD")
-    bt.add_argument("--config", help="mode ssd on Ray: the pair's settings, a YAML file of `ssd serve`'s keys "
-                    "(docs/configuration.md); the flags above override it")
+    bt.add_argument("--config", help="mode ssd: the pair's settings, a YAML file of `ssd serve`'s keys "
+                    "(docs/configuration.md: tree, sampling, budget, ...), locally or on Ray; the flags here "
+                    "override it")
     _add_model_flags(bt)
 
     d = sub.add_parser("demo", help="answer a chat question with AR on one and two cores, SD and SSD; print the "

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from benchmarks.service_mode import ServiceMode
 from spec_core.config import SamplingParams
+from spec_core.settings import ServiceConfig
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Node:\n"]
 
 
 def test_service_mode_single_and_concurrent(ray_session, toy_pair, greedy_reference) -> None:
-    mode = ServiceMode(toy_pair["target"], toy_pair["draft"], k=2)
+    mode = ServiceMode(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], k=2, port=0))
     try:
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
         result, extra = mode.run(PROMPTS[0], params)

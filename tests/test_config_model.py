@@ -15,7 +15,7 @@ from spec_core.settings import ServeAppConfig, ServiceConfig
 #: A value for every setting, none of them the default.
 EVERY = {
     "address": "10.0.0.1:6379", "host": "0.0.0.0", "port": 6000, "http-port": 8001, "metrics-port": 9100,
-    "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16",
+    "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16", "draft-dtype": "int4",
     "device": "cpu",
     "served-model-name": "my-model", "k": 4, "budget": 5, "ssd-strategy": "run-ahead", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
     "backup-policy": "fast", "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
@@ -52,7 +52,7 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
     assert v.scheduler.max_num_batched_tokens == 1024 and v.scheduler.max_num_seqs == 8
     assert v.spec.k == 4 and v.spec.budget == 5 and v.spec.saguaro_c == 0.5 and not v.spec.adaptive_k
     assert str(v.spec.tree) == "3x1" and d.ssd.tree == v.spec.tree and v.spec.sampling == "coupled"
-    assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "bfloat16"
+    assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "int4"
     assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 6
     assert v.cache.kv_memory_fraction == 0.3 and v.target.dtype == "bfloat16"
     assert v.auth_token_file == "/tmp/token" and v.stats_log_interval_s == 30.0
@@ -164,3 +164,23 @@ def test_a_batch_job_places_its_config_with_its_own_needs(tmp_path) -> None:
                                                                                      draft_path="/d"))
     assert (cfg.tree, cfg.sampling, cfg.dtype, cfg.k) == ("chain", "coupled", "int4", 4)
     assert (cfg.host, cfg.port, cfg.max_num_seqs, cfg.max_queue) == ("node-ip", 0, 16, 16)
+
+
+def test_the_local_and_served_ssd_rows_run_the_same_settings() -> None:
+    """``ssd bench``'s local ``ssd`` row and its ``ssd-service`` row derive from one config: the drafter and the
+    verifier get the same K, tree, budget, C, strategy, sampling, backup policy and draft dtype either way."""
+    from benchmarks.bench import BenchSettings
+    from cluster.launch import drafter_config, verifier_config
+    from cluster.local_ssd import LocalSSDConfig
+
+    bench = BenchSettings(modes=("ssd", "ssd-service"), num_prompts=1, max_new_tokens=8, k=4, repeats=1,
+                          temperatures=(0.0,), prompts_file=None, ignore_eos=True, target_threads=1, budget=7,
+                          saguaro_c=0.5, tree="2x1", sampling="coupled", ssd_strategy="fanout")
+    cfg = bench.service_config("/t", "/d", "int4", "int4")
+    local = LocalSSDConfig.from_config("/d", cfg)
+    served, spec = drafter_config(cfg, "/t", "/d"), verifier_config(cfg, "/t").spec
+    assert local.ssd == served.ssd and local.draft_dtype == served.draft.dtype == "int4"
+    assert (local.adaptive_k, local.sampling, local.backup_policy) == (spec.adaptive_k, spec.sampling,
+                                                                       spec.backup_policy)
+    assert (spec.k, spec.budget, str(spec.tree), local.ssd.strategy) == (4, 7, "2x1", "fanout")
+    assert bench.service_config("/t", "/d", "int4", mode="ssd-chain").tree == "chain"
