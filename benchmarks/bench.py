@@ -59,7 +59,8 @@ class BenchSettings:
         return ServiceConfig(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype, k=self.k,
                              budget=self.budget, saguaro_c=self.saguaro_c, ssd_strategy=self.ssd_strategy,
                              tree="chain" if mode == "ssd-chain" else self.tree, fixed_k=not self.adaptive_k,
-                             sampling="coupled" if mode == "ssd-coupled" else self.sampling, port=0)
+                             sampling="coupled" if mode == "ssd-coupled" else self.sampling,
+                             lend_cores=self.lend_cores, port=0)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:

@@ -141,7 +141,7 @@ class ModeRunner:
         pair = self.gen.pair
         config = settings.service_config(target.path, draft.path, target.resolved_dtype, draft.dtype, mode)
         local_cfg = LocalSSDConfig.from_config(draft.path, config, draft_pad_rows=draft.pad_rows,
-                                               draft_cpu_kernels=draft.cpu_kernels, lend_cores=settings.lend_cores)
+                                               draft_cpu_kernels=draft.cpu_kernels)
         return LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
 
     def close(self) -> None:

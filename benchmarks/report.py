@@ -186,7 +186,7 @@ def what_ran(mode: str, settings: BenchSettings, target: ModelConfig, draft: Mod
         "draft_dtype": (draft.resolved_dtype if ours else peer) if speculates and draft is not None else None,
         "cores": 2 if two else settings.target_threads,
         "link": {"sd": "in-process", "ssd-service": "gRPC"}.get(base, "pipe" if base in LOCAL_SSD_MODES else None),
-        "lending": settings.lend_cores if base in LOCAL_SSD_MODES else False,
+        "lending": settings.lend_cores if base in ("ssd-service", *LOCAL_SSD_MODES) else False,
         # the draft's LM head over this many frequent ids (0: whole; :mod:`spec_core.draft_vocab`)
         "draft_head_vocab": _head_vocab(draft) if ours and speculates and draft is not None else None,
     }

@@ -66,6 +66,15 @@ def _info() -> dict:
     }
 
 
+def _lend_core(drafter) -> int | None:
+    """The drafter's core, where it runs pinned to one core of this node other than this process's own."""
+    info = ray.get(drafter.info.remote(), timeout=30)
+    own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    theirs = info.get("affinity") or []
+    same_node = info.get("node_id") == ray.get_runtime_context().get_node_id()
+    return theirs[0] if same_node and len(own) == 1 and len(theirs) == 1 and theirs != own else None
+
+
 @ray.remote
 class DrafterActor:
     """Serves as soon as it is constructed, so a Ray restart (``max_restarts``) brings the server back by itself;
@@ -108,20 +117,22 @@ class VerifierActor:
 
     def __init__(self, config: VerifierServerConfig, core: int | None = None, drafter: str | None = None,
                  connect_timeout_s: float = 300.0, namespace: str | None = None,
-                 log_level: int = logging.WARNING) -> None:
+                 log_level: int = logging.WARNING, lend: bool = False) -> None:
         """``drafter``: the drafter actor's name (in ``namespace``), asked for its current address now and whenever
         the link must be re-established (after a drafter restart). A name, not a handle: a restartable actor's
-        constructor arguments must stay valid for its whole life."""
+        constructor arguments must stay valid for its whole life. ``lend``: borrow the drafter's core for plain
+        steps where it is pinned on this node (:func:`_lend_core`)."""
         setup_logging(log_level)
         device = _setup_process(core)
         host = ray.util.get_node_ip_address() if config.host == "node-ip" else config.host
         target = config.target if config.target.device != "auto" else replace(config.target, device=device)
-        self.server = VerifierServer(replace(config, host=host, target=target))
-        resolver, drafter_address = None, None
+        resolver, drafter_address, lend_core = None, None, None
         if drafter is not None and config.spec.mode == "ssd":
             handle = ray.get_actor(drafter, namespace=namespace)
             resolver = lambda: ray.get(handle.address.remote(), timeout=10)  # noqa: E731
             drafter_address = ray.get(handle.address.remote(), timeout=connect_timeout_s)
+            lend_core = _lend_core(handle) if lend and device == "cpu" else None
+        self.server = VerifierServer(replace(config, host=host, target=target, lend_core=lend_core))
         self.server.start(drafter_address, resolver)
 
     def address(self) -> str:
@@ -132,7 +143,9 @@ class VerifierActor:
         return os.getpid()
 
     def info(self) -> dict:
+        engine = self.server.engine_loop.engine if self.server.engine_loop is not None else None
         return {**_info(), "address": self.server.address, "device": str(self.server.pair.target.device),
+                "lending": engine is not None and engine.lending is not None,
                 "metrics_address": self.server.metrics_address, "http_address": self.server.http_address,
                 "model_name": self.server.model_name}
 

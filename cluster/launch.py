@@ -209,7 +209,8 @@ def launch(cfg: ServiceConfig, placement_group=None, options: LaunchOptions = La
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + 1),
         num_cpus=cpus[1], num_gpus=gpus[1], max_restarts=-1,
     ).remote(verifier_config(cfg, target, host), 0 if pin else None, name,
-              connect_timeout_s=options.start_timeout_s, namespace=namespace, log_level=options.log_level)
+              connect_timeout_s=options.start_timeout_s, namespace=namespace, log_level=options.log_level,
+              lend=cfg.lend_cores and pin)
     if not own:
         pg = None  # not ours to remove
     try:

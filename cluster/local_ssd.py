@@ -74,6 +74,7 @@ class LocalSSDConfig:
         KV pool, the draft runner's options, lending)."""
         if config.draft_dtype is not None:
             process.setdefault("draft_dtype", config.draft_dtype)
+        process.setdefault("lend_cores", config.lend_cores)
         return cls(draft_path, config.ssd_config(**(drafter_pool or {})), adaptive_k=config.adaptive_k,
                    backup_policy=config.backup_policy, sampling=config.sampling, max_num_seqs=config.max_num_seqs,
                    **process)

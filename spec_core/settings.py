@@ -101,6 +101,9 @@ class ServiceConfig(BaseModel):
                                   "placement", gt=0, le=1)
     strategy: str = setting("PACK", "placement strategy: PACK | SPREAD | STRICT_SPREAD | STRICT_PACK",
                             "placement")
+    lend_cores: bool = setting(True, "on CPUs, with the drafter and the verifier pinned to cores of one node: a step "
+                               "where nothing speculates runs the verifier on the drafter's core too (never fp32, "
+                               "whose matmuls round differently on two threads)", "placement")
 
     drain_grace: float = setting(30.0, "seconds in-flight streams get on SIGTERM", "security and lifecycle", ge=0)
     auth_token_file: str | None = setting(None, "require `authorization: Bearer <token>` (the token read from "

@@ -1,6 +1,7 @@
 """Command-line flags derived from the one configuration model (:mod:`spec_core.settings`).
 
-Each field becomes ``--name-with-dashes`` with the field's help; a ``Literal`` gives the choices, a bool a switch.
+Each field becomes ``--name-with-dashes`` with the field's help; a ``Literal`` gives the choices, a bool a pair of
+switches (``--lend-cores`` / ``--no-lend-cores``).
 No flag has a parser default, so only the flags given override a ``--config`` file.
 """
 
@@ -17,8 +18,9 @@ def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> 
     for name, field in model.model_fields.items():
         flag, kind = "--" + name.replace("_", "-"), _plain(field.annotation)
         default = "" if field.default is None else f" (default {field.default})"
-        if kind is bool:
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=field.description)
+        if kind is bool:  # --fixed-k / --no-fixed-k
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f"{field.description}{default}")
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(flag, choices=list(typing.get_args(kind)), default=argparse.SUPPRESS,
                                 help=f"{field.description}{default}")

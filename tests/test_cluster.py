@@ -55,6 +55,7 @@ def test_serve_streams_greedy_equal_to_ar_for_8_concurrent_clients(served, real_
     assert info["drafter"]["pid"] != info["verifier"]["pid"]
     assert info["drafter"]["placement_group_id"] == info["verifier"]["placement_group_id"]
     assert info["drafter"]["affinity"] != info["verifier"]["affinity"]  # pinned to separate cores
+    assert info["verifier"]["lending"] is False  # fp32 never borrows the drafter's core
     expected = {p: real_reference(p, 24) for p in PROMPTS}
 
     def one(prompt: str):

@@ -21,7 +21,7 @@ EVERY = {
     "backup-policy": "fast", "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
     "drain-grace": 5.0, "auth-token-file": "/tmp/token", "auth-token-env": "TOKEN", "tls-cert": None,
-    "tls-key": None, "stats-log-interval": 30.0, "max-body-bytes": 1048576, "drafter-host": "node-ip",
+    "tls-key": None, "stats-log-interval": 30.0, "max-body-bytes": 1048576, "drafter-host": "node-ip", "lend-cores": False,
 }
 
 

@@ -9,6 +9,7 @@ HTTP handlers both call it. The HTTP server runs on the gRPC server's event loop
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ class VerifierServerConfig:
     stats_log_interval_s: float | None = 10.0
     #: A request's context limit, prompt and output together (None: the model's own position limit).
     max_model_len: int | None = None
+    #: The drafter's core, when it is pinned on this node beside this server's own pinned core: a step where
+    #: nothing speculates runs on both (:mod:`verifier_service.core_lending`; CPU, never fp32). None: never.
+    lend_core: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -218,7 +222,21 @@ class VerifierServer:
         logger.info("verifier KV pool: %d blocks of %d tokens", blocks, cache.block_size)
         plan = EnginePlan(blocks, cache.block_size, c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens,
                           k=sp.k, max_spec_nodes=nodes, sampling=sp.sampling, adaptive_k=sp.adaptive_k)
-        return build_engine(target, plan, proposer)
+        engine = build_engine(target, plan, proposer, self._lending(target))
+        if engine.lending is not None:
+            logger.info("plain steps borrow the drafter's core %d", c.lend_core)
+            with engine.lending.lent():
+                target.row_padding()  # measured per thread count: now, not in the first lent step
+        return engine
+
+    def _lending(self, target):
+        """Core lending where it applies: this process pinned to one core, the drafter to another of this node."""
+        from verifier_service.core_lending import core_lending
+
+        own = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if self.config.lend_core is None or len(own) != 1:
+            return None
+        return core_lending(own[0], [self.config.lend_core], target)
 
     def start(self, drafter_address: str | None = None, drafter_resolver=None) -> str:
         """Serve. ``drafter_resolver()`` returns the drafter's current address when its link must be re-established
