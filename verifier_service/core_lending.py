@@ -1,4 +1,4 @@
-"""Lending the drafter's core to the verifier while nothing speculates (the local two-process SSD on a CPU).
+"""Lending the drafter's core to the verifier while nothing speculates (SSD on a CPU, both processes pinned on one node).
 
 SSD holds two cores: the verifier's and the drafter's. Where speculation does not pay, the planner decodes the whole
 batch plain (K = 0 for every request: the measured back-off, as for sampled requests at batch 16 on a CPU), the
@@ -10,8 +10,9 @@ A step that speculates never borrows the core. While a step is lent the proposer
 requests the planner starts plain (:meth:`verifier_service.ssd_proposer.SSDProposer.propose`, ``quiet``), so nothing
 wakes the drafter; such a request tells the drafter its tokens when it first speculates.
 
-Only the local SSD (:class:`cluster.local_ssd.LocalSSD`) lends, and only on a CPU: it pins both processes, so it
-knows the drafter's core is its own. Never for the fp32 exactness reference: its matmuls round differently on two
+It lends only where both processes are pinned to cores of one node, so the drafter's core is known and free: the
+local SSD (:class:`cluster.local_ssd.LocalSSD`), and the served pair when its two Ray actors share a node
+(:class:`cluster.actors.VerifierActor`); and only on a CPU. Never for the fp32 exactness reference: its matmuls round differently on two
 threads (SmolLM2-135M decode logits moved by up to 4e-5), and its greedy output must stay transformers' token for
 token. The compiled matmuls split a call over its outputs, so their runners (int4, w8a8) give the same floats on
 two threads (tests/test_cpu_kernels.py); bf16's oneDNN matmuls do not, and bf16 reports its agreement with fp32.
