@@ -19,6 +19,9 @@ from verifier_service.api import GenerationResult
 
 logger = logging.getLogger(__name__)
 
+#: Tokens of each untimed request after a relaunch (:meth:`ServiceMode._warm_up`).
+WARMUP_TOKENS = 32
+
 
 class ServiceMode:
     def __init__(self, config: ServiceConfig) -> None:
@@ -33,19 +36,27 @@ class ServiceMode:
         self.deployment = self.client = None
         self.configure(adaptive=False)
 
-    def configure(self, adaptive: bool) -> None:
-        """(Re)launch the pair with or without adaptive K; a no-op when it already runs that way."""
+    def configure(self, adaptive: bool) -> bool:
+        """(Re)launch the pair with or without adaptive K (True); a no-op when it already runs that way (False)."""
         from cluster.launch import launch
         from verifier_service.client import SSDClient
 
         if self.adaptive == adaptive:
-            return
+            return False
         if self.deployment is not None:
             self.client.close()
             self.deployment.shutdown(grace_s=5)
         self.deployment = launch(self.config.model_copy(update={"fixed_k": not adaptive}))
         self.client = SSDClient(self.deployment.address)
         self.adaptive = adaptive
+        return True
+
+    def _warm_up(self, prompts: list[str], concurrency: int) -> None:
+        """A relaunched pair's first batch, untimed: its planner measures its step costs at this batch size, as the
+        local engine's did in the runs before (WARMUP_TOKENS each)."""
+        params = SamplingParams(max_new_tokens=WARMUP_TOKENS, ignore_eos=True)
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda p: self.client.complete(p, params), prompts))
 
     def _counters(self) -> dict:
         return codec.stats_from_pb(self.client.stats())
@@ -91,7 +102,8 @@ class ServiceMode:
     def run_concurrent(self, prompts: list[str], params: list[SamplingParams], concurrency: int) -> dict:
         """Every prompt through the service with ``concurrency`` streaming clients; the same result keys as
         :func:`benchmarks.concurrent.run_concurrent` (aggregate tokens/s over the wall time of the whole set)."""
-        self.configure(adaptive=True)
+        if self.configure(adaptive=True):
+            self._warm_up(prompts[:concurrency], concurrency)
         n = len(prompts)
         outputs: list[list[int]] = [[] for _ in range(n)]
         times: list[list[float]] = [[] for _ in range(n)]
