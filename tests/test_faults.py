@@ -34,10 +34,10 @@ def test_drafter_killed_mid_generation_recovers(ray_session, toy_pair, greedy_re
     from cluster.launch import launch
     from spec_core.settings import ServiceConfig
 
-    # Chains: this test measures that the restarted drafter's cache serves again (hits ≥ 0.5), not the lower hit
-    # rate candidate trees trade for tokens per round (README, "SSD candidate trees").
+    # Chains at K = 2: this test measures that the restarted drafter's cache serves again (hits ≥ 0.5), not the
+    # lower hit rate candidate trees, or a longer K with this toy draft, trade for tokens per round.
     dep = launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], port=0, gpu="no", fixed_k=True,
-                               dtype="float32", tree="chain"))
+                               k=2, dtype="float32", tree="chain"))
     try:
         old_pid = ray.get(dep.drafter.pid.remote())
         with SSDClient(dep.address) as client:
