@@ -97,6 +97,16 @@ def _pass_on(exc: grpc.aio.AioRpcError, grpc_context) -> None:
     grpc_context.set_details(exc.details() or "")
 
 
+async def _unary(method, request, timeout_s: float, grpc_context, empty):
+    """``method(request)`` on the verifier with the caller's token; a refusal passed on (:func:`_pass_on`), with an
+    ``empty()`` message for Serve's proxy to send beside it."""
+    try:
+        return await method(request, timeout=timeout_s, metadata=_forwarded(grpc_context))
+    except grpc.aio.AioRpcError as exc:
+        _pass_on(exc, grpc_context)
+        return empty()
+
+
 def _scrape(address: str) -> bytes:
     """This replica's verifier metrics (its own Prometheus endpoint, on the replica's node)."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
@@ -164,20 +174,12 @@ class SSDServer:
     async def Complete(self, request, grpc_context=None):  # noqa: N802
         from protos.ssd.v1 import ssd_pb2 as pb
 
-        try:
-            return await self.stub.Complete(request, timeout=3600, metadata=_forwarded(grpc_context))
-        except grpc.aio.AioRpcError as exc:
-            _pass_on(exc, grpc_context)
-            return pb.GenerateResult()
+        return await _unary(self.stub.Complete, request, 3600, grpc_context, pb.GenerateResult)
 
     async def GetStats(self, request, grpc_context=None):  # noqa: N802
         from protos.ssd.v1 import ssd_pb2 as pb
 
-        try:
-            return await self.stub.GetStats(request, timeout=30, metadata=_forwarded(grpc_context))
-        except grpc.aio.AioRpcError as exc:
-            _pass_on(exc, grpc_context)
-            return pb.StatsResponse()
+        return await _unary(self.stub.GetStats, request, 30, grpc_context, pb.StatsResponse)
 
     async def Check(self, request):  # noqa: N802 - grpc.health.v1.Health/Check for Kubernetes probes
         from grpc_health.v1 import health_pb2
@@ -249,7 +251,7 @@ def build_app(args: dict):
     Args: every key of the one configuration model (:class:`spec_core.settings.ServeAppConfig`; dashes or
     underscores; ``docs/configuration.md``), validated here: an unknown key or a bad value raises ValueError naming
     it. ``gpu`` defaults to ``yes`` (a GPU each for drafter and verifier)."""
-    from spec_core.settings import ServeAppConfig
+    from spec_core.settings import ServeAppConfig, ServiceConfig
 
     args = {str(k).replace("-", "_"): v for k, v in args.items()}
     args.setdefault("gpu", "yes")
@@ -261,7 +263,7 @@ def build_app(args: dict):
     bundles = pair_bundles(use_gpu, cfg.pair_cpus, cfg.replica_cpus, cfg.gpu_fraction)
     ongoing = max(cfg.max_ongoing_requests or cfg.max_queue, cfg.max_num_seqs)
     _warn_if_unschedulable(cfg.num_replicas, bundles)
-    pair = cfg.model_dump(include=set(cfg.model_fields_set) - set(NOT_IN_A_REPLICA) - _APP_ONLY)
+    pair = cfg.model_dump(include=set(cfg.model_fields_set) & set(ServiceConfig.model_fields) - set(NOT_IN_A_REPLICA))
     pair.update(gpu="yes" if use_gpu else "no", max_queue=ongoing)
     return SSDServer.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=ongoing,
@@ -270,7 +272,6 @@ def build_app(args: dict):
     ).bind(pair)
 
 
-_APP_ONLY = {"num_replicas", "pair_cpus", "replica_cpus", "max_ongoing_requests"}
 
 #: The default application: one replica, a GPU each for drafter and verifier (override with ``build_app``).
 app = build_app({})
