@@ -86,7 +86,7 @@ class LaunchOptions:
 def verifier_config(cfg: ServiceConfig, target: str, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
     """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
     public = cfg.public_security()
-    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device), spec=cfg.speculation(),
+    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device, cuda_graphs=not cfg.enforce_eager), spec=cfg.speculation(),
                                 cache=CacheConfig(kv_memory_fraction=cfg.kv_memory_fraction),
                                 scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                                           max_num_batched_tokens=cfg.max_num_batched_tokens),
@@ -104,7 +104,8 @@ def drafter_config(cfg: ServiceConfig, target: str, draft: str, host: str = "127
     an int4 draft), as locally."""
     target_dtype = cfg.dtype if on_gpu or cfg.device not in ("auto", "cpu") else resolve_dtype(cfg.dtype, "cpu",
                                                                                                 target)
-    model = ModelConfig(draft, cfg.draft_dtype or draft_dtype(target_dtype, path=draft), cfg.device)
+    model = ModelConfig(draft, cfg.draft_dtype or draft_dtype(target_dtype, path=draft), cfg.device,
+                        cuda_graphs=not cfg.enforce_eager)
     sec = link_security(host, cfg.public_security())
     return DrafterServerConfig(model, cfg.ssd_config(), host=host, kv_memory_fraction=cfg.kv_memory_fraction,
                                tls=sec.drafter_tls, auth_token_file=sec.auth_token_file,

@@ -111,7 +111,7 @@ class LocalSSD:
                                  dtype=cfg.draft_dtype or self._default_draft_dtype(),
                                  device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows,
                                  cpu_kernels=cfg.draft_cpu_kernels, lend_core=lend,
-                                 head_vocab=cfg.draft_head_vocab),
+                                 head_vocab=cfg.draft_head_vocab, cuda_graphs=self.target.cuda_graphs),
             hello, waiting=self._waiting,
         )
 

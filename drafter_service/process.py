@@ -155,11 +155,14 @@ class DrafterProcessConfig:
     lend_core: int | None = None
     #: The draft head's vocabulary (``ModelConfig.head_vocab``; None: auto).
     head_vocab: int | None = None
+    #: ``ModelConfig.cuda_graphs``.
+    cuda_graphs: bool = True
 
     def model(self) -> ModelConfig:
         """The draft as a :class:`ModelConfig`: a weight format (``w8a8`` under an int4 target) is a format, not
         only a compute dtype."""
-        return ModelConfig(self.draft_path, self.dtype, self.device, self.pad_rows, self.cpu_kernels, self.head_vocab)
+        return ModelConfig(self.draft_path, self.dtype, self.device, self.pad_rows, self.cpu_kernels, self.head_vocab,
+                           self.cuda_graphs)
 
 
 class DrafterLoop:

@@ -25,9 +25,10 @@ import torch
 from drafter_service.core_borrowing import CoreBorrowing
 from drafter_service.draft_request import drafter_params
 from drafter_service.picking import pick_rows
+from spec_core.backends import Backend
+from spec_core.backends.default import as_backend
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig
-from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
 from spec_core.speculation import ChainMsg, FreeEvent, OutcomeEvent, PrefillEvent, Speculation
 from spec_core.tree_draft import DraftRow, draft_trees
@@ -72,11 +73,11 @@ def reconcile(req: ChainRequest, new: list[int]) -> int:
 class RunAheadDrafter:
     """Chains for many requests, one batched draft step at a time. Transport-free (see :class:`RunAheadLoop`)."""
 
-    def __init__(self, runner: ModelRunner, config: SSDConfig) -> None:
-        self.runner = runner
+    def __init__(self, draft: Backend, config: SSDConfig) -> None:
+        self.backend = as_backend(draft)  # the model, through the backend protocol only
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.cache = self.backend.new_paged_cache(config.num_blocks, config.block_size)
         self.requests: dict[str, ChainRequest] = {}
         #: Seconds spent in draft forwards so far (the drafter's busy time), and steps taken.
         self.busy_s = 0.0
@@ -134,7 +135,7 @@ class RunAheadDrafter:
                 out.append((toks, q))
             return out
 
-        trees = draft_trees(self.runner, self.cache, rows, 1, sample)
+        trees = draft_trees(self.backend, self.cache, rows, 1, sample)
         self.busy_s += time.perf_counter() - t0
         self.steps += 1
         updates = []

@@ -47,12 +47,13 @@ from drafter_service.candidate_trees import (
 )
 from drafter_service.draft_request import DraftRequest, glue_start
 from drafter_service.picking import RANK_HEAD, pick_leaves, pick_rows, race_ranking
+from spec_core.backends import Backend
+from spec_core.backends.default import as_backend
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import SSDConfig, TreeShape, lookup_depth
 from spec_core.estimators import AcceptanceEstimator, LinearCost, MissExponentEstimator, RateEstimator
 from spec_core.fanout import fanout_for
 from spec_core.packing import WorkItem, forward_items
-from spec_core.runner import ModelRunner
 from spec_core.select import topk_rows
 from spec_core.sequence import Sequence
 from spec_core.speculation import BranchBundle, OutcomeEvent, Speculation, node_depths, path_nodes, slot_positions
@@ -68,11 +69,11 @@ MAX_RANK = 16
 class SSDDrafter:
     """Builds speculations and branch bundles for many requests at once. Transport-free (see ``drafter_process``)."""
 
-    def __init__(self, runner: ModelRunner, config: SSDConfig) -> None:
-        self.runner = runner
+    def __init__(self, draft: Backend, config: SSDConfig) -> None:
+        self.backend = as_backend(draft)  # the model, through the backend protocol only
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.cache = self.backend.new_paged_cache(config.num_blocks, config.block_size)
         self.requests: dict[str, DraftRequest] = {}
         self.acceptance = AcceptanceEstimator()
         #: The n-gram backup's acceptance, for the fan-out of a bundle built on a backup round (the paper's
@@ -194,7 +195,7 @@ class SSDDrafter:
                 picked.append((toks, q))
             return picked
 
-        draft_trees(self.runner, self.cache, rows, 1, sample)
+        draft_trees(self.backend, self.cache, rows, 1, sample)
         for i in live:
             r = reqs[i]
             r.num_computed = r.seq.num_tokens + r.k - 1  # the chain's K/V but its last token's (speculative)
@@ -278,7 +279,7 @@ class SSDDrafter:
                                        list(range(c, n)) + [n - 1 + d for d in node_depths(s.tree_parents)],
                                        self._slots(rid, c, n + s.num_nodes), len(pending), s.tree_parents,
                                        list(range(n - 1 - c, n - c + s.num_nodes))))
-        glue_logits = forward_items(self.runner, self.cache, glue_items)
+        glue_logits = forward_items(self.backend, self.cache, glue_items)
         branches: list[list[tuple[int, int]]] = []
         for i, (r, s, fan) in enumerate(zip(reqs, specs, fans)):
             r.num_computed = r.seq.num_tokens + s.k  # glue K/V valid through S's spine (speculatively)
@@ -336,7 +337,7 @@ class SSDDrafter:
                                       [n + len(path) + step for path in paths[i]],
                                       self._slots(rid, base + step * m, base + (step + 1) * m),
                                       0, [-1] * m, list(range(m)), extra_slots=glue + earlier, extra_mask=mask))
-            logits = forward_items(self.runner, self.cache, items)
+            logits = forward_items(self.backend, self.cache, items)
             for j, i in enumerate(live):
                 m = len(branches[i])
                 n = reqs[i].seq.num_tokens  # a branch at depth a drafts from position n + a + 1 on

@@ -45,6 +45,9 @@ class ModelConfig:
     #: A draft's LM head over this many of the most frequent token ids (0: all; None: auto, see
     #: :mod:`spec_core.draft_vocab`). Never a target's: its logits are the output distribution.
     head_vocab: int | None = None
+    #: On a CUDA device, replay decode, verify and draft steps as CUDA graphs per batch bucket
+    #: (:mod:`spec_core.backends.cuda_graphs`); off: every forward eager. Nothing changes elsewhere.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

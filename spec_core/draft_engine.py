@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_core.backends import Backend
+from spec_core.backends.default import as_backend
 from spec_core.block_manager import BlockManager, NoFreeBlocks
 from spec_core.config import DEFAULT_K
 from spec_core.coupling import keys_tensor, race_scores
 from spec_core.packing import reconcile_tree_slots
-from spec_core.runner import ModelRunner
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.select import argmax_rows, topk_rows
 from spec_core.sequence import DRAFT, Sequence
@@ -52,11 +53,11 @@ class DraftConfig:
 class BatchDrafter:
     """Proposes speculation trees for a batch of requests with a draft model."""
 
-    def __init__(self, runner: ModelRunner, config: DraftConfig) -> None:
-        self.runner = runner
+    def __init__(self, draft: Backend, config: DraftConfig) -> None:
+        self.backend = as_backend(draft)  # the model, through the backend protocol only
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.cache = self.backend.new_paged_cache(config.num_blocks, config.block_size)
         self.draft_s = 0.0
 
     def observe_verify_time(self, seconds: float, tokens: int = 0) -> None:
@@ -122,7 +123,7 @@ class BatchDrafter:
 
     def _propose_trees(self, seqs: list[Sequence], ks: list[int]) -> list[TokenTree]:
         rows = [DraftRow(s.token_ids, s.num_draft_computed, k, self._slots(s)) for s, k in zip(seqs, ks)]
-        drafted = draft_trees(self.runner, self.cache, rows, self.config.branching, self._sampler(seqs))
+        drafted = draft_trees(self.backend, self.cache, rows, self.config.branching, self._sampler(seqs))
         for s in seqs:
             s.num_draft_computed = s.num_tokens  # level 0 fed the pending tokens; the nodes stay speculative
         return [TokenTree(parents=d.parents, token_ids=d.token_ids,

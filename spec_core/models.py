@@ -40,7 +40,8 @@ def load_runner(cfg: ModelConfig, reference: bool = True) -> ModelRunner:
     token_map = None if reference else draft_head_map(cfg)
     try:
         return ModelRunner(path, dtype=cfg.torch_dtype, device=cfg.device, weights=cfg.weights, pad_rows=cfg.pad_rows,
-                           kernels=cfg.cpu_kernels, reference=reference, token_map=token_map)
+                           kernels=cfg.cpu_kernels, reference=reference, token_map=token_map,
+                           cuda_graphs=cfg.cuda_graphs)
     except (KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot load weights from {path}: {exc}") from exc
 

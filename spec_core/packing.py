@@ -13,14 +13,31 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from spec_core.kv_cache import PagedBatch, PagedKVCache
-from spec_core.row_padding import RowPadding
-from spec_core.runner import ModelRunner
 from spec_core.transfer import to_device
+
+
+class RowPolicy(Protocol):
+    """How a forward of ``rows`` rows pads its tokens per row (:class:`spec_core.row_padding.RowPadding`)."""
+
+    def tokens(self, rows: int, tokens: int) -> int: ...
+
+    def skip_pads(self, real: int, padded: int) -> bool: ...
+
+
+class PagedModel(Protocol):
+    """What packing needs of a model: a :class:`~spec_core.backends.Backend` or a bare runner."""
+
+    device: torch.device
+
+    def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor: ...
+
+    def row_padding(self) -> RowPolicy | None: ...
 
 
 @dataclass(slots=True)
@@ -66,7 +83,7 @@ def new_token_mask(num_pending: int, parents: tuple[int, ...]) -> np.ndarray:
 
 
 def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = "cpu",
-         row_padding: RowPadding | None = None) -> PagedBatch:
+         row_padding: RowPolicy | None = None) -> PagedBatch:
     """Build the padded tensors for :meth:`ModelRunner.forward_paged`, with one upload.
 
     The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
@@ -155,21 +172,21 @@ def default_group_overhead(device: torch.device) -> int:
     return 16 if device.type == "cpu" else 512
 
 
-def forward_items(runner: ModelRunner, cache: PagedKVCache, items: list[WorkItem],
+def forward_items(model: PagedModel, cache: PagedKVCache, items: list[WorkItem],
                   overhead: int | None = None) -> torch.Tensor:
-    """``runner.forward_paged`` over ``items``, split into groups of similar length (:func:`split_by_length`);
+    """``model.forward_paged`` over ``items``, split into groups of similar length (:func:`split_by_length`);
     the same result as one packed forward: logits ``[B, L, V]`` (rows of an item past its ``logits_rows`` are
     padding). Items touch disjoint slots, so the groups may run one after another."""
     if overhead is None:
-        overhead = default_group_overhead(runner.device)
+        overhead = default_group_overhead(model.device)
     groups = split_by_length([len(it.token_ids) for it in items], overhead)
     if len(groups) == 1:
-        return runner.forward_paged(cache, pack(items, cache.scratch_slot, runner.device, runner.row_padding()))
+        return model.forward_paged(cache, pack(items, cache.scratch_slot, model.device, model.row_padding()))
     l_max = max(1, max(len(it.logits_rows) for it in items))
     out = None
     for g in groups:
-        logits = runner.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, runner.device,
-                                                  runner.row_padding()))
+        logits = model.forward_paged(cache, pack([items[i] for i in g], cache.scratch_slot, model.device,
+                                                 model.row_padding()))
         if out is None:
             out = logits.new_zeros(len(items), l_max, logits.shape[-1])
         out[to_device(g, logits.device, torch.long), : logits.shape[1]] = logits[:, :l_max]

@@ -134,7 +134,7 @@ class ModelRunner:
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  weights: str | None = None, pad_rows: bool = True, kernels: bool = True,
-                 reference: bool = True, token_map: torch.Tensor | None = None) -> None:
+                 reference: bool = True, token_map: torch.Tensor | None = None, cuda_graphs: bool = True) -> None:
         if weights not in (None, "int8", "int4", "w8a8", "gguf"):
             raise ValueError(f"unknown weight format {weights!r}")
         path = resolve_model(path, weights=weights != "gguf")
@@ -142,8 +142,8 @@ class ModelRunner:
         self.path = path
         self.hf_config = AutoConfig.from_pretrained(str(path))
         self.spec = ArchSpec.from_hf(self.hf_config)
-        self.dtype = dtype
-        self.device = torch.device(device)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"  # its backend's steps replay graphs
         # Layer by layer from the host checkpoint (fp32, or a GGUF's own blocks) to the device: a peak near the weights.
         self.token_map = head_token_map(path, self.spec.vocab_size, token_map)
         raw = (gguf_weights.runner_tensors(path, self.device, kernels, head_rows=self.token_map) if weights == "gguf"

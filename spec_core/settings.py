@@ -58,6 +58,8 @@ class ServiceConfig(BaseModel):
                                       "device; under a weight format on a CPU, int4 or the draft GGUF's own)",
                                       "models")
     device: str = setting("auto", "auto (the actor's GPU if it has one, else cpu) | cpu | cuda | cuda:N", "models")
+    enforce_eager: bool = setting(False, "run every forward eagerly (default: on a GPU, decode, verify and draft "
+                                  "steps replay CUDA graphs captured per batch bucket)", "models")
     served_model_name: str | None = setting(None, "the `model` name HTTP clients use (default: the target's "
                                             "name)", "models")
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_core.kv_cache import PagedKVCache
-from spec_core.packing import WorkItem, forward_items
-from spec_core.runner import ModelRunner
+from spec_core.packing import PagedModel, WorkItem, forward_items
 
 
 @dataclass(slots=True)
@@ -48,7 +47,7 @@ class DraftedTree:
     q_rows: list[torch.Tensor]  # one per node, empty for greedy requests
 
 
-def draft_trees(runner: ModelRunner, cache: PagedKVCache, rows: list[DraftRow], branching: int,
+def draft_trees(model: PagedModel, cache: PagedKVCache, rows: list[DraftRow], branching: int,
                 sample: Sampler) -> list[DraftedTree]:
     """Draft a ``branching``-wide tree of depth ``rows[i].k`` for every row (``k >= 1``)."""
     b = branching
@@ -56,12 +55,12 @@ def draft_trees(runner: ModelRunner, cache: PagedKVCache, rows: list[DraftRow], 
     items = [WorkItem(r.slots(0, r.num_computed), r.token_ids[r.num_computed:], list(range(r.num_computed, ni)),
                       r.slots(r.num_computed, ni), ni - r.num_computed, [], [ni - r.num_computed - 1])
              for r, ni in zip(rows, n)]
-    picked = sample(list(range(len(rows))), forward_items(runner, cache, items), b, 0)
+    picked = sample(list(range(len(rows))), forward_items(model, cache, items), b, 0)
     trees = [DraftedTree([-1] * b, list(toks), list(q.unbind(0)) if q is not None else []) for toks, q in picked]
     for depth in range(1, max(r.k for r in rows)):
         live = [i for i, r in enumerate(rows) if r.k > depth]
         items = [_level_item(rows[i], n[i], depth, b, trees[i].token_ids) for i in live]
-        for i, (toks, q) in zip(live, sample(live, forward_items(runner, cache, items), b, depth)):
+        for i, (toks, q) in zip(live, sample(live, forward_items(model, cache, items), b, depth)):
             tree = trees[i]
             tree.parents.extend(range((depth - 1) * b, depth * b))
             tree.token_ids.extend(toks)

@@ -20,7 +20,8 @@ def _model_configs(args: argparse.Namespace, need_draft: bool):
 
     pair = _pair_paths(getattr(args, "pair", None), check=not args.target or (need_draft and not args.draft))
     runner = {"pad_rows": not getattr(args, "no_pad_rows", False),
-              "cpu_kernels": not getattr(args, "no_cpu_kernels", False)}
+              "cpu_kernels": not getattr(args, "no_cpu_kernels", False),
+              "cuda_graphs": not getattr(args, "enforce_eager", False)}
     target = ModelConfig(args.target or pair["target"], dtype=args.dtype, device=args.device, **runner)
     check_model_dir(target.path)  # before its dtype is resolved (which reads a GGUF's record)
     draft_path = (args.draft or pair["draft"]) if need_draft else None

@@ -36,6 +36,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pad-rows", action="store_true",
                    help="run every forward at its own row count (default: small forwards are padded to the row count "
                         "the CPU's matmuls were measured fastest at, at load; never for fp32)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every forward eagerly (default: on a GPU, decode, verify and draft steps replay CUDA "
+                        "graphs captured per batch bucket)")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="run the decoder's small ops (norms, RoPE, attention, SiLU) as torch ops (default: as compiled "
                         "CPU loops, built once per machine; never for fp32)")

@@ -22,6 +22,7 @@ EVERY = {
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
     "drain-grace": 5.0, "auth-token-file": "/tmp/token", "auth-token-env": "TOKEN", "tls-cert": None,
     "tls-key": None, "stats-log-interval": 30.0, "max-body-bytes": 1048576, "drafter-host": "node-ip", "lend-cores": False,
+    "enforce-eager": True,
 }
 
 
@@ -55,6 +56,7 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
     assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "int4"
     assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 6
     assert v.cache.kv_memory_fraction == 0.3 and v.target.dtype == "bfloat16"
+    assert not v.target.cuda_graphs and not d.draft.cuda_graphs  # enforce-eager reaches both models
     assert v.auth_token_file == "/tmp/token" and v.stats_log_interval_s == 30.0
     assert v.max_body_bytes == 1048576 and cfg.drafter_host == "node-ip"
     assert cfg.use_gpu is False and cfg.gpu_fraction == 0.5 and cfg.strategy == "SPREAD"

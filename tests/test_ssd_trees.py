@@ -155,6 +155,23 @@ def test_greedy_trees_equal_ar_in_every_regime(pair, regime):
         assert s.hits == 0 and s.backup_misses == s.rounds, s
 
 
+def test_greedy_trees_through_static_step_backends_equal_ar(pair):
+    """Both engines over the static-buffer step (what a GPU captures as graphs; eager on a CPU): trees, glue and
+    verification run from bucket-shaped buffers, and the output is still the target's own greedy."""
+    from spec_core.backends.static_step import Buckets
+    from spec_core.backends.torch_runner import RunnerBackend
+
+    target, draft = pair
+    prompts = _prompts(4)
+    backends = [RunnerBackend(m, static=True, buckets=Buckets(context_step=1)) for m in (target, draft)]
+    outs, s, _ = _loopback_run(*backends, TreeShape.uniform(3, 2), prompts, 24)
+    assert outs == greedy_outputs(target, prompts, 24)
+    assert s.hits > 0 and s.tree_nodes > 4 * s.rounds, s
+    for b in backends:  # every forward of both sides went through a step's buffers
+        (_, step), = b._steps.values()
+        assert len(step.buffers) > 1, step.buffers.keys()
+
+
 def test_hits_after_a_leaf_was_accepted(pair):
     """An outcome through a leaf (an off-spine slot) was pre-drafted and hit: the drafter glues the whole tree
     and forks candidates at every node."""

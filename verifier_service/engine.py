@@ -19,14 +19,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from spec_core.backends import Backend
+from spec_core.backends.default import as_backend
 from spec_core.block_manager import BlockManager
 from spec_core.config import SAMPLING_RULES
 from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
-from spec_core.runner import ModelRunner
 from spec_core.select import argmax_rows
 from spec_core.sequence import VERIFY, Sequence
-from spec_core.timing import DeviceTimer
 from spec_core.transfer import crossings, to_device, to_host
 from spec_core.tree import (
     TokenTree,
@@ -108,13 +108,15 @@ Proposer = Callable[[list[Sequence], list[int]], list[TokenTree]]
 class VerifierEngine:
     """Continuous-batching verifier over a paged KV cache. ``drafter`` is None for plain AR decoding."""
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig, drafter=None, k: int = 0, adaptive=None,
+    def __init__(self, target: Backend, config: EngineConfig, drafter=None, k: int = 0, adaptive=None,
                  lending=None) -> None:
-        """Built by :func:`verifier_service.engine_builder.build_engine` (outside tests)."""
-        self.runner = runner
+        """Built by :func:`verifier_service.engine_builder.build_engine` (outside tests). ``target``: a
+        :class:`~spec_core.backends.Backend`, or a runner (then its default one,
+        :func:`~spec_core.backends.default.as_backend`); the engine touches the model through that protocol only."""
+        self.backend = as_backend(target)
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.cache = runner.new_paged_cache(config.num_blocks, config.block_size)
+        self.cache = self.backend.new_paged_cache(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.drafter = drafter
         if drafter is not None and getattr(drafter, "max_nodes", 0) is None:
@@ -128,7 +130,7 @@ class VerifierEngine:
 
     # ---- request lifecycle ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        limit = self.runner.spec.max_positions
+        limit = self.backend.max_positions
         if seq.num_tokens >= limit:
             raise ValueError(f"request {seq.request_id}: {seq.num_tokens} tokens; the context limit is {limit}")
         seq.max_len = min(seq.max_len, limit)
@@ -154,7 +156,7 @@ class VerifierEngine:
     # ---- one step ------------------------------------------------------------------------------------------
     def _k_for(self, seq: Sequence) -> int:
         k = self.k if seq.planned_k is None or seq.reproducible else seq.planned_k
-        return max(0, min(k, seq.remaining - 1, self.runner.spec.max_positions - seq.num_tokens - 1))
+        return max(0, min(k, seq.remaining - 1, self.backend.max_positions - seq.num_tokens - 1))
 
     def _plan_k(self, seqs: list[Sequence]) -> None:
         if self.adaptive is None:
@@ -234,7 +236,7 @@ class VerifierEngine:
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
-        with self.lending.lent() if lent else contextlib.nullcontext(), self.runner.kernel_threads():
+        with self.lending.lent() if lent else contextlib.nullcontext(), self.backend.kernel_threads():
             finished = self._verify_step(work, items, chosen)
         self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before, lent)
         return finished
@@ -242,8 +244,8 @@ class VerifierEngine:
     def _verify_step(self, work: list[ScheduledSeq], items: list[WorkItem], chosen: list[TokenTree | None]
                      ) -> list[Sequence]:
         """The forward over ``items``, then each request's verification, K/V moves and finishing."""
-        with DeviceTimer(self.runner.device) as timer:  # CUDA events on a GPU: kernel time, not launch time
-            logits = forward_items(self.runner, self.cache, items, self.config.group_overhead_tokens)
+        with self.backend.timer() as timer:  # CUDA events on a GPU: kernel time, not launch time
+            logits = forward_items(self.backend, self.cache, items, self.config.group_overhead_tokens)
         argmax = to_host(argmax_rows(logits))
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)

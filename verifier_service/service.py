@@ -113,7 +113,7 @@ class EngineLoop:
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "") -> Sequence:
         rid = request_id or f"req-{next(self._ids)}"
         return Sequence(rid, list(prompt_ids), params, eos_ids=self.eos_ids,
-                        max_len=self.engine.runner.spec.max_positions,
+                        max_len=self.engine.backend.max_positions,
                         detokenizer=IncrementalDetokenizer(self.tokenizer))
 
     def submit(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> Handle:

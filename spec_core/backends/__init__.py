@@ -46,6 +46,10 @@ class Backend(Protocol):
 
     device: torch.device
     dtype: torch.dtype
+    #: The longest sequence (prompt and output) a forward may position.
+    max_positions: int
+    #: The width of a logits row.
+    vocab_size: int
 
     def forward_paged(self, cache: PagedKVCache, batch: PagedBatch) -> torch.Tensor:
         """fp32 logits ``[B, L, V]`` of ``batch``, its K/V written into ``cache``."""
@@ -57,6 +61,14 @@ class Backend(Protocol):
 
     def timer(self) -> contextlib.AbstractContextManager:
         """``with backend.timer() as t: ...; t.elapsed_s()``: the region's device time."""
+        ...
+
+    def kernel_threads(self) -> contextlib.AbstractContextManager:
+        """Held over a step's forward and verification: the threading its kernels want (a no-op where none)."""
+        ...
+
+    def row_padding(self):
+        """How small forwards pad their row count (:class:`spec_core.packing.pack`'s ``padding``), or None."""
         ...
 
 

@@ -49,6 +49,8 @@ class CudaGraphStep:
         self.pool = None
         #: Seconds each capture took, by bucket.
         self.capture_s: dict[tuple[int, int, int, int], float] = {}
+        #: Buckets whose capture failed; they run the eager forward.
+        self.eager: set[tuple[int, int, int, int]] = set()
 
     def capture(self, buf: StaticBuffers) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture the forward over ``buf`` (left in the padding state; the caller reloads its batch)."""
@@ -73,9 +75,16 @@ class CudaGraphStep:
         if cache is not self.cache or not self.static.buckets.fits(batch):
             return self.forward(cache, batch)
         buf = self.static.buffers_for(batch)
+        if buf.key in self.eager:
+            return self.forward(cache, batch)
         entry = self.graphs.get(buf.key)
         if entry is None:
-            entry = self.graphs[buf.key] = self.capture(buf)
+            try:
+                entry = self.graphs[buf.key] = self.capture(buf)
+            except RuntimeError as exc:  # a forward that cannot be captured (a host sync in it) runs eagerly
+                logger.warning("bucket %s runs eagerly: its capture failed (%s)", buf.key, exc)
+                self.eager.add(buf.key)
+                return self.forward(cache, batch)
             buf.load(batch)
         graph, out = entry
         graph.replay()

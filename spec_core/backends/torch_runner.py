@@ -24,6 +24,7 @@ class RunnerBackend:
     def __init__(self, runner: ModelRunner, static: bool = False, buckets: Buckets | None = None) -> None:
         self.runner = runner
         self.device, self.dtype = runner.device, runner.dtype
+        self.max_positions, self.vocab_size = runner.spec.max_positions, runner.vocab_size
         self.static, self.buckets = static, buckets
         self._steps: dict[int, tuple[PagedKVCache, object]] = {}  # id(cache) -> (cache, its step)
 
@@ -46,3 +47,9 @@ class RunnerBackend:
 
     def timer(self) -> contextlib.AbstractContextManager:
         return DeviceTimer(self.device)
+
+    def kernel_threads(self) -> contextlib.AbstractContextManager:
+        return self.runner.kernel_threads()
+
+    def row_padding(self):
+        return self.runner.row_padding()
