@@ -144,3 +144,34 @@ def test_bench_costs_shapes_on_the_gpu(device, gpu_report, capsys):
                    f"batch {r['batch']}: eager {e['batch_tokens_per_s']:.0f} tok/s, graphs "
                    f"{s['batch_tokens_per_s']:.0f} tok/s ({r['config_source']})")
         assert e["t1_s"] > 0 and s["t1_s"] > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engines_replay_graphs_and_keep_their_tokens(dtype, toy_pair, device, gpu_report):
+    """The engines as users run them (the toy pair through :class:`verifier_service.api.Generator`): AR and SD with
+    the default backend (graphs on a GPU) give the tokens of ``--enforce-eager``; ms per token of both reported."""
+    from spec_core.config import ModelConfig, SamplingParams
+    from verifier_service.api import Generator
+
+    def run(graphs: bool) -> tuple[dict, dict]:
+        models = [ModelConfig(toy_pair[m], dtype, device, cuda_graphs=graphs) for m in ("target", "draft")]
+        gen = Generator(*models, k=3)
+        params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+        tokens, ms = {}, {}
+        for mode in ("ar", "sd"):
+            gen.generate("def add(a, b):", params, mode=mode)  # captures (or builds) the buckets it meets
+            t0 = time.perf_counter()
+            out = [gen.generate(p, params, mode=mode).token_ids for p in ("def add(a, b):", "import os\n")]
+            ms[mode] = (time.perf_counter() - t0) / (2 * NEW) * 1e3
+            tokens[mode] = out
+        backend = gen.engine("sd", 3).backend
+        assert backend.capabilities().graphs == (graphs and torch.device(device).type == "cuda")
+        return tokens, ms
+
+    graphs, eager = run(True), run(False)
+    gpu_report(f"engines {dtype} on {device}, toy pair: ms/token AR {graphs[1]['ar']:.2f} with graphs, "
+               f"{eager[1]['ar']:.2f} eager; SD {graphs[1]['sd']:.2f} / {eager[1]['sd']:.2f}; tokens equal: "
+               f"{graphs[0] == eager[0]}")
+    if dtype == "float32":
+        assert graphs[0] == eager[0] and graphs[0]["ar"] == graphs[0]["sd"]  # and SD is exact against AR
