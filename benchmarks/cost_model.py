@@ -4,8 +4,8 @@ For one dtype, device and thread count (a *row*), it reports:
 - T(1) of each model (one new token after ``context`` cached tokens) and c = T_draft(1) / T_target(1);
 - V(K) = T_target(K+1) / T_target(1);
 - the target's weight matmuls alone for one token (``target_matmul_t1_s``: the same products, no attention,
-  norms or glue, at the rows T(1) runs as, ``target_t1_rows``, see :mod:`spec_core.row_padding`; and at one row,
-  ``target_matmul_one_row_s``), so T(1) / matmuls says how much of a step is overhead;
+  norms or glue, at the rows T(1) runs as, ``target_t1_rows``, see :mod:`spec_core.backends.cpu.row_padding`; and at one
+  row, ``target_matmul_one_row_s``), so T(1) / matmuls says how much of a step is overhead;
 - the memory floor: the bytes of weights one token reads / the measured memory read bandwidth of the same threads
   (``floor_t1_s``), the time below which no runner can go.
 
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from spec_core.row_padding import stack_seconds
+from spec_core.backends.cpu.row_padding import stack_seconds
 from spec_core.runner import ModelRunner
 
 
@@ -154,7 +154,7 @@ def measure_costs(target_path: str, draft_path: str, context: int = 256, k_max: 
         draft = load_runner(ModelConfig(draft_path, draft_name, device, pad_rows, cpu_kernels), reference=False)
         t1 = time_forward(target, context, 1, repeats)
         d1 = time_forward(draft, context, 1, repeats)
-        # T(1)'s own matmuls: at the row count its forward runs as (spec_core.row_padding), and at one row
+        # T(1)'s own matmuls: at the row count its forward runs as (spec_core.backends.cpu.row_padding), and at one row
         pad = target.row_padding()
         rows = pad.tokens(1, 1) if pad is not None else 1
         matmul = time_matmuls(target, rows, repeats)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cost_model import median_time
-from spec_core.backends import static_step
+from spec_core.backends.default import static_step
 from spec_core.backends.static_step import Buckets
 from spec_core.packing import WorkItem, pack
 from spec_core.runner import ModelRunner

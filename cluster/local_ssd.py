@@ -52,9 +52,9 @@ class LocalSSDConfig:
     #: the drafter process's dtype and device; ``None``: the target's (see ``LocalSSD._default_draft_dtype``)
     draft_dtype: str | None = None
     draft_device: str | None = None
-    #: Row padding for the drafter's runner (:mod:`spec_core.row_padding`).
+    #: Row padding for the drafter's runner (:mod:`spec_core.backends.cpu.row_padding`).
     draft_pad_rows: bool = True
-    #: The compiled small ops for the drafter's runner (:mod:`spec_core.cpu_kernels`).
+    #: The compiled small ops for the drafter's runner (:mod:`spec_core.backends.cpu.cpu_kernels`).
     draft_cpu_kernels: bool = True
     #: The draft head's vocabulary (``ModelConfig.head_vocab``; None: auto, :mod:`spec_core.draft_vocab`).
     draft_head_vocab: int | None = None

@@ -147,8 +147,8 @@ class DrafterProcessConfig:
     core: int | None = 1
     dtype: str = "float32"
     device: str = "cpu"
-    pad_rows: bool = True  #: :mod:`spec_core.row_padding`
-    cpu_kernels: bool = True  #: :mod:`spec_core.cpu_kernels`
+    pad_rows: bool = True  #: :mod:`spec_core.backends.cpu.row_padding`
+    cpu_kernels: bool = True  #: :mod:`spec_core.backends.cpu.cpu_kernels`
     #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
     tree_delay_s: float = 0.0
     #: Run-ahead drafting on a CPU: the verifier's core, borrowed while the verifier waits (None: never).

@@ -38,9 +38,9 @@ class ModelConfig:
     path: str
     dtype: str = "float32"
     device: str = "cpu"
-    #: Pad small forwards to the row count measured fastest at load (:mod:`spec_core.row_padding`).
+    #: Pad small forwards to the row count measured fastest at load (:mod:`spec_core.backends.cpu.row_padding`).
     pad_rows: bool = True
-    #: Run the decoder's small ops as compiled CPU loops (:mod:`spec_core.cpu_kernels`; never for fp32).
+    #: Run the decoder's small ops as compiled CPU loops (:mod:`spec_core.backends.cpu.cpu_kernels`; never for fp32).
     cpu_kernels: bool = True
     #: A draft's LM head over this many of the most frequent token ids (0: all; None: auto, see
     #: :mod:`spec_core.draft_vocab`). Never a target's: its logits are the output distribution.

@@ -61,7 +61,7 @@ def resolve_dtype(name: str, device: str = "cpu", path: str | None = None, kerne
 def native_int4(path: str, device: str = "cpu") -> bool:
     """Whether the model at ``path`` is stored in 4 bits (a GGUF's Q4 layers) and ``device`` is a CPU whose
     compiled quantized matmuls run them."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
     from spec_core.gguf_checkpoint import native_format
 
     if not str(device).startswith("cpu") or native_format(str(path)) != "int4":
@@ -71,7 +71,7 @@ def native_int4(path: str, device: str = "cpu") -> bool:
 
 def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
     """The compute dtype (activations, KV cache) for ``name``: ``int8`` and ``int4`` compute in fp32
-    (:mod:`spec_core.quant`)."""
+    (:mod:`spec_core.backends.cpu.quant`)."""
     import torch
 
     name = resolve_dtype(name, device)
@@ -80,8 +80,8 @@ def parse_dtype(name: str, device: str = "cpu") -> torch.dtype:
 
 def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str:
     """The draft's dtype when a run asks for ``name``: for a weight format (int4, int8, w8a8, gguf), ``int4`` where
-    the compiled quantized matmuls run (``kernels``, and :func:`spec_core.cpu_kernels.quant_gemm`), else ``auto``;
-    otherwise ``name``. Under ``gguf``, a draft at ``path`` that runs in its own formats
+    the compiled quantized matmuls run (``kernels``, and :func:`spec_core.backends.cpu.cpu_kernels.quant_gemm`), else
+    ``auto``; otherwise ``name``. Under ``gguf``, a draft at ``path`` that runs in its own formats
     (:func:`spec_core.gguf_weights.native_gguf`) runs as ``gguf`` too.
 
     On an int4 target the draft in int4 accepts as the draft in float does and costs a fraction of it: smollm2-draft
@@ -93,7 +93,7 @@ def draft_dtype(name: str, kernels: bool = True, path: str | None = None) -> str
     name = check_dtype(name)  # (``auto`` never resolves to a weight-only format, so no device is needed)
     if name not in WEIGHT_ONLY:
         return name
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
     from spec_core.gguf_weights import native_gguf
 
     if name == "gguf" and kernels and path is not None and native_gguf(str(path)):

@@ -1,6 +1,6 @@
 """A GGUF's tensors read straight into the runner's formats (``--dtype gguf``), with no fp32 copy on disk or in
-memory: every layer matrix and the output layer repacked from the file's blocks (:mod:`spec_core.kquant`), the
-embedding kept in its blocks, norms and biases in fp32. Names and layout are those of the fp32 conversion
+memory: every layer matrix and the output layer repacked from the file's blocks (:mod:`spec_core.backends.cpu.kquant`),
+the embedding kept in its blocks, norms and biases in fp32. Names and layout are those of the fp32 conversion
 (:mod:`spec_core.gguf_checkpoint`), so the runner builds its layers from either the same way.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_core import kquant
+from spec_core.backends.cpu import kquant
 from spec_core.gguf_checkpoint import SOURCE_RECORD, SUPPORTED_ARCHITECTURES, hf_name, unpermute_rope
 from spec_core.gguf_header import read_header
 from spec_core.model_paths import ModelLoadError, is_gguf
@@ -42,10 +42,11 @@ def gguf_source(path: str | Path) -> Path | None:
 def load_tensors(path: str | Path, kernels, head_rows: torch.Tensor | None = None
                  ) -> dict[str, torch.Tensor | kquant.KQuantWeight | kquant.QuantEmbedding]:
     """Every tensor of the GGUF behind ``path`` with transformers' names: matrices as
-    :class:`~spec_core.kquant.KQuantWeight` for ``kernels`` (:func:`spec_core.cpu_kernels.kquant_gemm`), the
-    embedding as a :class:`~spec_core.kquant.QuantEmbedding` (fp32 where its type is not one the kernels read),
-    vectors in fp32; an output layer of the ids ``head_rows`` only, where given. ``ModelLoadError`` for a matrix in
-    a type the kernels do not run."""
+    :class:`~spec_core.backends.cpu.kquant.KQuantWeight` for ``kernels``
+    (:func:`spec_core.backends.cpu.cpu_kernels.kquant_gemm`), the embedding as a
+    :class:`~spec_core.backends.cpu.kquant.QuantEmbedding` (fp32 where its type is not one the kernels read), vectors in
+    fp32; an output layer of the ids ``head_rows`` only, where given. ``ModelLoadError`` for a matrix in a type the
+    kernels do not run."""
     source = gguf_source(path)
     if source is None:
         raise ModelLoadError(f"dtype gguf reads a GGUF file's own blocks, and {path} is not (or not converted from) "
@@ -70,7 +71,7 @@ def load_tensors(path: str | Path, kernels, head_rows: torch.Tensor | None = Non
 def runner_tensors(path: str | Path, device: torch.device, kernels: bool, head_rows: torch.Tensor | None = None) -> dict:
     """:func:`load_tensors` for a runner on ``device``: ``ValueError`` where the compiled kernels cannot multiply
     them (another device, ``kernels`` off, or no build with AVX-512 VNNI or AVX2)."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     gemm = cpu_kernels.kquant_gemm() if device.type == "cpu" and kernels else None
     if gemm is None:
@@ -118,7 +119,7 @@ def native_gguf(path: str, device: str = "cpu", vnni: bool = False) -> bool:
     the compiled K-quant matmuls run, some of them K-quants (:func:`runs_natively`), and ``device`` is a CPU where
     those kernels run (``vnni``: with AVX-512 VNNI, where they were measured faster than int4's; the AVX2 form, run
     on the same EPYC, took about twice as long a row and was not measured on an AVX2-only CPU)."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     if not str(device).startswith("cpu") or not runs_natively(native_types(str(path))):
         return False

@@ -85,8 +85,8 @@ class PagedBatch:
         when every query sees every slot (decode rows of equal length): attention then skips the mask.
     logits_index: ``[B, T']`` rows of T whose logits are returned (None = all).
     lengths: ``[B]`` each row's real tokens (the first ones of its T), where the rows differ and the CPU kernels
-        may skip the pad tokens (:func:`spec_core.cpu_kernels.run_paged`); None = run all B · T. It changes no
-        real token's result, only what the pads cost.
+        may skip the pad tokens (:func:`spec_core.backends.cpu.cpu_kernels.run_paged`); None = run all B · T. It changes
+        no real token's result, only what the pads cost.
     """
 
     input_ids: torch.Tensor

@@ -23,7 +23,8 @@ from spec_core.transfer import to_device
 
 
 class RowPolicy(Protocol):
-    """How a forward of ``rows`` rows pads its tokens per row (:class:`spec_core.row_padding.RowPadding`)."""
+    """How a forward of ``rows`` rows pads its tokens per row
+    (:class:`spec_core.backends.cpu.row_padding.RowPadding`)."""
 
     def tokens(self, rows: int, tokens: int) -> int: ...
 
@@ -86,11 +87,11 @@ def pack(items: list[WorkItem], scratch_slot: int, device: torch.device | str = 
          row_padding: RowPolicy | None = None) -> PagedBatch:
     """Build the padded tensors for :meth:`ModelRunner.forward_paged`, with one upload.
 
-    The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then
-    the bool mask) that crosses to the device in a single copy; the device views it back into fields. A mask that
-    hides nothing is left out. Pad tokens (ragged rows, and ``row_padding``'s extra tokens and logits rows, see
-    :mod:`spec_core.row_padding`) write to ``scratch_slot``, may attend to every slot and are never read. The host
-    side is numpy and Python lists (a torch op per field and item cost more than the rest of a decode step's
+    The integer fields and the attention mask are staged on the host in one byte buffer (int64 fields first, then the
+    bool mask) that crosses to the device in a single copy; the device views it back into fields. A mask that hides
+    nothing is left out. Pad tokens (ragged rows, and ``row_padding``'s extra tokens and logits rows, see
+    :mod:`spec_core.backends.cpu.row_padding`) write to ``scratch_slot``, may attend to every slot and are never read.
+    The host side is numpy and Python lists (a torch op per field and item cost more than the rest of a decode step's
     bookkeeping).
     """
     bsz = len(items)

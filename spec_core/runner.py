@@ -18,8 +18,9 @@ over the full vocabulary with ``-inf`` outside the map, so the proposal q is exa
 (sampling, the q rows sent to the verifier) sees one full-vocabulary distribution.
 
 Weight formats. ``weights="int8"`` or ``"int4"`` stores every weight matrix (and the LM head) in that weight-only
-format (:mod:`spec_core.quant`); the rest computes in ``dtype``. ``weights="w8a8"`` quantizes activations too, after a
-calibration pass at load (:mod:`spec_core.w8a8`). ``weights="gguf"``: a GGUF's own matrices (:mod:`spec_core.kquant`).
+format (:mod:`spec_core.backends.cpu.quant`); the rest computes in ``dtype``. ``weights="w8a8"`` quantizes activations
+too, after a calibration pass at load (:mod:`spec_core.backends.cpu.w8a8`). ``weights="gguf"``: a GGUF's own
+matrices (:mod:`spec_core.backends.cpu.kquant`).
 
 A ``.gguf`` path is converted once into an HF folder in the model cache (:func:`spec_core.model_paths.resolve_model`),
 without fp32 weights where the runner reads the file's own blocks.
@@ -36,23 +37,22 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig
 
-from spec_core import cpu_kernels, gguf_weights, kquant
+from spec_core import gguf_weights
 from spec_core.arch import ArchSpec, head_token_map
-from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
-from spec_core.model_paths import load_safetensors_dir, resolve_model
-from spec_core.ops import RMSNorm, rope_, rope_tables, signed_sin
-from spec_core.quant import (
-    LinearWeight,
-    PackedLinear,
+from spec_core.backends.cpu import cpu_kernels, kquant
+from spec_core.backends.cpu.quant import (
     RowInt4Weight,
     RowW8A8Weight,
     Weight,
-    can_prepack,
     matmul,
     nbytes,
     quantize,
 )
-from spec_core.row_padding import MAX_ROWS, RowPadding, measure
+from spec_core.backends.cpu.row_padding import MAX_ROWS, RowPadding, measure
+from spec_core.kv_cache import KVCache, PagedBatch, PagedKVCache
+from spec_core.model_paths import load_safetensors_dir, resolve_model
+from spec_core.ops import RMSNorm, rope_, rope_tables, signed_sin
+from spec_core.weight_layout import dense_layout
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +60,6 @@ logger = logging.getLogger(__name__)
 #: (Q8_0 embeddings beside Q4_1 matrices): an int4 head moved the logits 5x further from fp32 (max 3.6 against
 #: 0.7) to save 0.7 ms a token.
 HEAD_FORMAT = {"int4": "int8"}
-
-
-def _t(w: torch.Tensor) -> torch.Tensor:
-    """Store a Linear weight transposed (``[in, out]``, contiguous): ``x @ w_t`` is markedly faster than
-    ``F.linear(x, w)`` for the few-row products of decoding on CPU in fp32 (about 2x for the LM head)."""
-    return w.t().contiguous()
-
-
-def dense_layout(w: torch.Tensor) -> torch.Tensor | LinearWeight | PackedLinear:
-    """The layout a ``[out, in]`` weight (already in its compute dtype) is multiplied in: transposed for fp32,
-    prepacked for oneDNN for bf16 on CPU, ``nn.Linear``'s own otherwise (see :mod:`spec_core.quant`)."""
-    if can_prepack(w):
-        return PackedLinear.pack(w)
-    if w.dtype in (torch.bfloat16, torch.float16):
-        return LinearWeight(w.contiguous())
-    return _t(w)
 
 
 class Layer:
@@ -225,11 +209,13 @@ class ModelRunner:
         """Row padding and the compiled small ops: CPU runners other than the fp32 exactness reference, unless
         turned off (``rope``: the fp32 RoPE tables the kernels read)."""
         cpu_fast = self.device.type == "cpu" and not self.exact
-        #: Whether forwards are padded to the row count the weight matmuls run fastest at (:mod:`spec_core.row_padding`).
+        #: Whether forwards are padded to the row count the weight matmuls run fastest at
+        #: (:mod:`spec_core.backends.cpu.row_padding`).
         self.pad_rows = pad_rows and cpu_fast
         #: The measured padding by torch thread count (the fastest row count differs between 1 and 2 threads).
         self.row_paddings: dict[int, RowPadding] = {}
-        #: The compiled small ops (:mod:`spec_core.cpu_kernels`) for models without q/k norms, and their RoPE tables.
+        #: The compiled small ops (:mod:`spec_core.backends.cpu.cpu_kernels`) for models without q/k norms, and their
+        #: RoPE tables.
         self.kernels = cpu_kernels.load(self.dtype) if kernels and cpu_fast and not self.spec.qk_norm else None
         self.rope_f32 = tuple(t.contiguous() for t in rope) if self.kernels else None
 
@@ -243,7 +229,7 @@ class ModelRunner:
         """``--dtype w8a8``: int8 weights and activations, SmoothQuant-calibrated on the model's own text."""
         from transformers import AutoTokenizer
 
-        from spec_core import w8a8
+        from spec_core.backends.cpu import w8a8
 
         if not any((self.path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"dtype w8a8 calibrates on the model's own text, and {self.path} has no tokenizer "

@@ -335,7 +335,7 @@ def cmd_install_models(args: argparse.Namespace) -> int:
 
     out = convert_gguf(src, default_target_dir(), expected_sha256=TARGET_GGUF_SHA256)
     sys.stderr.write(f"target ready: {out} (stored as {native_format(str(out)) or 'float'})\n")
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     try:  # built here once, so no run pays for it (a runner without them keeps torch's ops)
         sys.stderr.write(f"CPU kernels ready: {cpu_kernels.build()}\n")

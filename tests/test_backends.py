@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 from work_items import work_item
 
-from spec_core.backends import Backend, static_step
+from spec_core.backends import Backend
+from spec_core.backends.default import static_step
 from spec_core.backends.static_step import Buckets, StaticStep
 from spec_core.backends.torch_runner import RunnerBackend
 from spec_core.packing import pack
 from spec_core.runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_MODULES = {f"spec_core.{m}" for m in ("cpu_kernels", "quant", "w8a8", "row_padding", "kquant")}
+CPU_MODULES = {f"spec_core.backends.cpu.{m}" for m in ("cpu_kernels", "quant", "w8a8", "row_padding", "kquant")}
 CUDA_MODULE = "spec_core.backends.cuda_graphs"
 
 
@@ -65,17 +66,26 @@ def test_the_cuda_graph_module_imports_no_cpu_kernel_module():
     assert "spec_core.runner" not in reach
 
 
-def test_no_cpu_kernel_module_imports_the_backends():
+def test_no_cpu_backend_module_imports_the_cuda_one():
     for module in sorted(CPU_MODULES):
         reach = imports_of(module)
-        assert not {m for m in reach if m.startswith("spec_core.backends")}, (module, sorted(reach))
-    assert "spec_core.cpu_kernels" in imports_of("spec_core.w8a8")  # negative control: the scan follows chains
+        assert CUDA_MODULE not in reach and "spec_core.backends.torch_runner" not in reach, (module, sorted(reach))
+    # negative control: the scan follows chains
+    assert "spec_core.backends.cpu.cpu_kernels" in imports_of("spec_core.backends.cpu.w8a8")
+
+
+def test_the_cpu_backend_never_imports_the_runner():
+    """The runner switches the CPU backend's parts on; none of them reaches back (w8a8 once imported the runner for
+    its weight layout, which now lives in :mod:`spec_core.weight_layout`)."""
+    for module in sorted(CPU_MODULES):
+        assert "spec_core.runner" not in imports_of(module), module
+    assert CPU_MODULES <= imports_of("spec_core.runner") | {"spec_core.backends.cpu.w8a8"}  # the scan sees them
 
 
 def test_importing_the_cuda_graph_module_touches_no_cuda():
     code = ("import torch, spec_core.backends.cuda_graphs as g\n"
             "print(torch.cuda.is_initialized(), sorted(m for m in __import__('sys').modules "
-            "if m in ('spec_core.cpu_kernels', 'spec_core.runner')))\n")
+            "if m in ('spec_core.backends.cpu.cpu_kernels', 'spec_core.runner')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False []", out.stdout
 

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 
-from spec_core import cpu_kernels
+from spec_core.backends.cpu import cpu_kernels
 from spec_core.pairs import get_pair, missing_files, pair_paths
 
 pytestmark = [pytest.mark.slow,

@@ -49,8 +49,8 @@ def test_generate_greedy_modes_agree(toy_pair, dtype):
     token: in fp32 (transformers' arithmetic), and on w8a8 where its forward is batch-invariant (the compiled kernel
     with a scale per row, on x86 without VNNI)."""
     if dtype == "w8a8":
-        from spec_core import cpu_kernels
-        from spec_core.quant import can_w8a8, w8a8_reduce_range
+        from spec_core.backends.cpu import cpu_kernels
+        from spec_core.backends.cpu.quant import can_w8a8, w8a8_reduce_range
 
         if not (can_w8a8() and cpu_kernels.quant_gemm() is not None and w8a8_reduce_range()):
             pytest.skip("w8a8 is batch-invariant with the compiled kernel on x86 CPUs without VNNI")

@@ -12,7 +12,7 @@ from test_adaptive import FixedCost
 from test_adaptive_loop import _ScriptedK
 
 from cluster.local_ssd import LocalSSD, LocalSSDConfig
-from spec_core import cpu_kernels
+from spec_core.backends.cpu import cpu_kernels
 from spec_core.config import SamplingParams, SSDConfig
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner

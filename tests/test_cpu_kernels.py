@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (spec_core/cpu_kernels.py): each op against torch's, the runner's forward through them
-against its torch path (prefill, decode, a tree), and which runners use them (never the fp32 reference)."""
+"""The compiled CPU kernels (spec_core/backends/cpu/cpu_kernels.py): each op against torch's, the runner's forward
+through them against its torch path (prefill, decode, a tree), and which runners use them (never the fp32 reference)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from work_items import work_item
 
-from spec_core import cpu_kernels
+from spec_core.backends.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load(torch.float32) is None, reason="no C compiler on this machine")
 
@@ -105,7 +105,7 @@ def test_runner_forward_through_the_kernels_matches_its_torch_path(toy_pair):
 def test_the_one_call_decoder_computes_the_op_by_op_floats(toy_pair, weights):
     """``decoder.c`` runs every layer in one call: a prefill, a decode row and a tree row give the op-by-op path's
     logits and K/V bit for bit, on one thread and on two."""
-    from spec_core import w8a8
+    from spec_core.backends.cpu import w8a8
     from spec_core.packing import WorkItem, pack
     from spec_core.runner import ModelRunner
 
@@ -273,7 +273,7 @@ def _plain_c_kernels(tmp_path) -> cpu_kernels.QuantGemm:
 
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
 def test_w8a8_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(tmp_path):
-    from spec_core.quant import RowW8A8Weight, dequantize, matmul, nbytes, pack_w8a8_rows, quantize_int8
+    from spec_core.backends.cpu.quant import RowW8A8Weight, dequantize, matmul, nbytes, pack_w8a8_rows, quantize_int8
 
     gen = torch.Generator().manual_seed(9)
     plain = _plain_c_kernels(tmp_path)
@@ -299,7 +299,7 @@ def test_w8a8_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_for
 def _q4_reference(x, w_t):
     """The compiled Q4_1 matmul's contract in float64: Q4_1 weights (d and m in fp16) times activations quantized
     per block of 32, as :func:`_w8a8_reference`."""
-    from spec_core.quant import _q4_1
+    from spec_core.backends.cpu.quant import _q4_1
 
     q, d, m = _q4_1(w_t.t().float())
     w = (q * d.half().double()[..., None] + m.half().double()[..., None]).flatten(1)  # [out, in]
@@ -311,7 +311,7 @@ def _q4_reference(x, w_t):
 
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
 def test_q4_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(tmp_path):
-    from spec_core.quant import RowInt4Weight, matmul, nbytes, pack_q4_rows, quantize
+    from spec_core.backends.cpu.quant import RowInt4Weight, matmul, nbytes, pack_q4_rows, quantize
 
     gen = torch.Generator().manual_seed(4)
     plain = _plain_c_kernels(tmp_path)
@@ -336,7 +336,7 @@ def test_q4_kernel_matches_its_contract_is_batch_invariant_and_its_plain_c_form(
 @pytest.mark.skipif(cpu_kernels.quant_gemm() is None, reason="the quantized matmuls need AVX2, FMA and F16C")
 def test_quantized_matmuls_on_more_threads_give_the_same_floats():
     """The kernels split a call's outputs over torch's thread count; each output's arithmetic stays its own."""
-    from spec_core.quant import matmul, pack_q4_rows, pack_w8a8_rows
+    from spec_core.backends.cpu.quant import matmul, pack_q4_rows, pack_w8a8_rows
 
     gen = torch.Generator().manual_seed(2)
     kernels = cpu_kernels.quant_gemm()

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tiny_gguf import tokenizer_fields, write_tiny_qwen2
 
-from spec_core import cpu_kernels, draft_vocab
+from spec_core import draft_vocab
+from spec_core.backends.cpu import cpu_kernels
 from spec_core.config import ModelConfig
 from spec_core.draft_vocab import AUTO_HEAD_VOCAB, frequent_ids, resolve_head_vocab
 from spec_core.model_paths import ModelLoadError, installed_target_gguf

@@ -41,7 +41,7 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     """On the toy pair: bf16 without native support (AVX2-only CPUs) is emulated and very slow on the real one."""
     import torch
 
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     proc = ssd("bench-costs", "--dtype", "float32,bfloat16,int8,int4", "--repeats", "3", "--k-max", "2", "--threads", "1",
                "--context", "32", "--no-busy-core", "--target", toy_pair["target"], "--draft", toy_pair["draft"])
@@ -63,9 +63,9 @@ def test_bench_costs_honours_dtype_threads_and_records_both_rows(toy_pair, repor
     assert 3.5 * i8["weight_bytes_per_token"] < f32["weight_bytes_per_token"]  # int8 matrices, fp32 norms/scales
     assert i4["weight_bytes_per_token"] < 0.75 * i8["weight_bytes_per_token"]  # 4-bit matrices, an int8 head
     assert f32["target_t1_s"] != b16["target_t1_s"]
-    assert f32["target_t1_rows"] == 1  # the fp32 reference is never padded (spec_core.row_padding)
+    assert f32["target_t1_rows"] == 1  # the fp32 reference is never padded (spec_core.backends.cpu.row_padding)
     assert all(1 <= r["target_t1_rows"] <= 8 and r["target_matmul_one_row_s"] > 0 for r in (b16, i8, i4))
-    assert not f32["cpu_kernels"]  # the reference keeps transformers' arithmetic (spec_core.cpu_kernels)
+    assert not f32["cpu_kernels"]  # the reference keeps transformers' arithmetic (spec_core.backends.cpu.cpu_kernels)
     assert all(r["cpu_kernels"] == (cpu_kernels.load(torch.float32) is not None) for r in (b16, i8, i4))
     from spec_core.config import weight_format
 
@@ -116,7 +116,7 @@ def test_bench_quick_equal_hardware_and_peer_modes(tmp_path):
 def test_int8_weights_are_per_channel_symmetric():
     import torch
 
-    from spec_core.quant import dequantize, matmul, quantize_int8
+    from spec_core.backends.cpu.quant import dequantize, matmul, quantize_int8
 
     gen = torch.Generator().manual_seed(3)
     w_t = torch.randn(96, 40, generator=gen)  # [in, out], as the runner stores it
@@ -149,7 +149,7 @@ def _q4_1_matrix(gen, out: int, inp: int):
 def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
     import torch
 
-    from spec_core.quant import INT4_GROUP, dequantize_int4, matmul, quantize, quantize_int4
+    from spec_core.backends.cpu.quant import INT4_GROUP, dequantize_int4, matmul, quantize, quantize_int4
 
     gen = torch.Generator().manual_seed(4)
     w_t, codes = _q4_1_matrix(gen, 48, 96)
@@ -176,7 +176,7 @@ def test_int4_recovers_q4_1_codes_and_multiplies_by_them():
 
 
 def test_weight_formats_give_the_draft_int4_through_the_kernels_or_float():
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
     from spec_core.config import draft_dtype, parse_dtype, weight_format
 
     weight_draft = "int4" if cpu_kernels.quant_gemm() is not None else "auto"  # the compiled kernels', else auto
@@ -193,7 +193,15 @@ def test_bf16_weights_are_prepacked_and_match_f_linear_bit_for_bit(toy_pair):
     import torch
     import torch.nn.functional as F
 
-    from spec_core.quant import LinearWeight, PackedLinear, can_prepack, matmul, nbytes, onednn_bf16, quantize
+    from spec_core.backends.cpu.quant import (
+        LinearWeight,
+        PackedLinear,
+        can_prepack,
+        matmul,
+        nbytes,
+        onednn_bf16,
+        quantize,
+    )
     from spec_core.runner import ModelRunner
 
     gen = torch.Generator().manual_seed(5)

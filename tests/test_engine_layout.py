@@ -22,8 +22,7 @@ ENGINE_MODULES = ("verifier_service/engine.py", "verifier_service/scheduler.py",
                   "verifier_service/run_ahead_proposer.py", "spec_core/draft_engine.py", "spec_core/tree_draft.py",
                   "spec_core/packing.py", "drafter_service/ssd_drafter.py", "drafter_service/run_ahead.py")
 #: The runner and the CPU backend's modules, and the backend implementations: none is the protocol.
-FORBIDDEN = ("spec_core.runner", "spec_core.cpu_kernels", "spec_core.quant", "spec_core.w8a8", "spec_core.row_padding",
-             "spec_core.kquant", "spec_core.gguf_weights", "spec_core.backends.torch_runner",
+FORBIDDEN = ("spec_core.runner", "spec_core.backends.cpu", "spec_core.gguf_weights", "spec_core.backends.torch_runner",
              "spec_core.backends.cuda_graphs")
 
 

@@ -118,7 +118,7 @@ def test_reconversion_is_skipped_when_the_record_matches(wheel_gguf, real_pair, 
 def test_a_4bit_file_runs_as_int4_by_default_and_its_record_notes_why(real_pair, tmp_path):
     """``auto`` on a CPU with the compiled kernels is the file's own 4 bits: the record notes its matrices' types
     (written once into a record that predates them), and a folder not converted from a GGUF keeps bf16/fp32."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
     from spec_core.config import ModelConfig, native_bf16
     from spec_core.gguf_checkpoint import native_format
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_gguf import tokenizer_fields, write_tiny_qwen2
 
-from spec_core import cpu_kernels
+from spec_core.backends.cpu import cpu_kernels
 from spec_core.model_paths import installed_target_gguf
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kquant_gemm() is None,
@@ -49,7 +49,7 @@ def _greedy(runner, new: int = 12, mode: str = "ar", draft=None) -> list[int]:
 
 
 def test_the_files_formats_load_without_an_fp32_copy(tiny):
-    from spec_core.kquant import KQuantWeight, QuantEmbedding
+    from spec_core.backends.cpu.kquant import KQuantWeight, QuantEmbedding
     from spec_core.runner import ModelRunner
 
     _, folder = tiny

@@ -1,7 +1,7 @@
-"""GGUF matrices in their own formats (``spec_core/kquant.py``, ``kernels/kquant_gemm.c``): for Q8_0, Q5_0, Q4_K and
-Q6_K, on random blocks, the compiled matmul equals the file's weights (``gguf.quants.dequantize``) times the
-activations quantized per row and block of 32, within fp32 rounding; its AVX-512, AVX2 and plain-C forms give the
-same floats; a row's result never depends on the rows beside it; embedding rows come back bit for bit."""
+"""GGUF matrices in their own formats (``spec_core/backends/cpu/kquant.py``, ``kernels/kquant_gemm.c``): for Q8_0, Q5_0,
+Q4_K and Q6_K, on random blocks, the compiled matmul equals the file's weights (``gguf.quants.dequantize``) times the
+activations quantized per row and block of 32, within fp32 rounding; its AVX-512, AVX2 and plain-C forms give the same
+floats; a row's result never depends on the rows beside it; embedding rows come back bit for bit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from spec_core import cpu_kernels, kquant
+from spec_core.backends.cpu import cpu_kernels, kquant
 
 pytestmark = pytest.mark.skipif(cpu_kernels.kquant_gemm() is None,
                                 reason="the K-quant kernels need AVX-512 VNNI or AVX2, FMA and F16C")

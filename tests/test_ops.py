@@ -56,7 +56,7 @@ def test_an_fp32_draft_takes_the_fast_paths_and_the_target_stays_the_reference(t
     """A draft's arithmetic never reaches the output (the verifier uses the q it drafted from), so an fp32 draft
     loads with ``reference=False``: fused norms, row padding and the compiled small ops, where they build. The fp32
     target stays transformers' arithmetic; SD over that pair still equals AR token for token."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
     from spec_core.config import ModelConfig, SamplingParams
     from spec_core.models import LoadedPair, load_runner
     from spec_core.sequence import Sequence

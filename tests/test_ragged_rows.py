@@ -11,7 +11,7 @@ import torch
 from test_row_padding import MEASURED  # 4 rows measured fastest
 from work_items import work_item
 
-from spec_core import cpu_kernels
+from spec_core.backends.cpu import cpu_kernels
 from spec_core.packing import pack
 from spec_core.runner import ModelRunner
 

@@ -1,12 +1,12 @@
-"""Row padding (:mod:`spec_core.row_padding`): a forward of few tokens runs as more rows where the runner measured
-its weight matmuls faster, without changing the real rows' logits or K/V."""
+"""Row padding (:mod:`spec_core.backends.cpu.row_padding`): a forward of few tokens runs as more rows where the runner
+measured its weight matmuls faster, without changing the real rows' logits or K/V."""
 
 from __future__ import annotations
 
 import torch
 
+from spec_core.backends.cpu.row_padding import RowPadding, measure
 from spec_core.packing import WorkItem, forward_items, pack
-from spec_core.row_padding import RowPadding, measure
 from spec_core.runner import ModelRunner
 
 #: The shape measured on the 2-vCPU AVX-512 BF16 VM (SmolLM2-135M bf16, ms by rows 1..8): 1 and 2 rows slow.

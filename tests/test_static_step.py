@@ -150,7 +150,7 @@ def test_beyond_the_buckets_runs_the_dynamic_step(runner):
 def test_the_cpu_kernels_batch_invariant_runner_through_the_static_step(toy_pair):
     """int4 through the compiled kernels (batch invariant): the static step changes no bit, even with slot columns
     padded (their attention sums in slot order and skips masked keys)."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     if cpu_kernels.quant_gemm() is None:
         pytest.skip("the CPU kernels cannot be built here")

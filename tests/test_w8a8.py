@@ -1,13 +1,13 @@
 """``--dtype w8a8``: int8 weights and activations (through fbgemm, or the compiled kernel with a scale per row), with
-SmoothQuant scales calibrated at load (:mod:`spec_core.w8a8`). Its greedy agreement with fp32 on the real pair is reported in ``test_real_pair.py``."""
+SmoothQuant scales calibrated at load (:mod:`spec_core.backends.cpu.w8a8`). Its greedy agreement with fp32 on the real pair is reported in ``test_real_pair.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spec_core import cpu_kernels
-from spec_core.quant import (
+from spec_core.backends.cpu import cpu_kernels
+from spec_core.backends.cpu.quant import (
     Observed,
     RowW8A8Weight,
     W8A8Weight,
@@ -60,8 +60,8 @@ def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
     """Folding the SmoothQuant scales (into the norms, into V for the output projection, shared across the query
     heads of a K/V head, and into up's columns for the down projection) leaves the fp32 model's function unchanged: Llama (GQA), Qwen3 (q/k norms) and
     Qwen2 (q/k/v biases)."""
+    from spec_core.backends.cpu.w8a8 import input_ranges, smooth_layer
     from spec_core.runner import ModelRunner
-    from spec_core.w8a8 import input_ranges, smooth_layer
 
     path = _qwen2(tmp_path / "qwen2") if family == "qwen2" else tiny_models[family]
     runner = ModelRunner(path)
@@ -84,7 +84,7 @@ def test_smoothing_folds_into_the_model_exactly(family, tiny_models, tmp_path):
 
 
 def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
-    from spec_core.quant import LinearWeight, PackedLinear, onednn_bf16
+    from spec_core.backends.cpu.quant import LinearWeight, PackedLinear, onednn_bf16
     from spec_core.runner import ModelRunner
 
     ref = ModelRunner(toy_pair["target"])
@@ -109,7 +109,7 @@ def test_w8a8_runner_is_quantized_and_near_fp32(toy_pair):
     assert torch.nn.functional.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).min() > 0.98
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     with pytest.raises(ValueError, match="dense fp32"):
-        from spec_core.w8a8 import convert
+        from spec_core.backends.cpu.w8a8 import convert
 
         convert(runner, [[1, 2, 3]])
 

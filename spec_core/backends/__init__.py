@@ -3,11 +3,13 @@
 A :class:`Backend` runs a packed ragged batch over a paged K/V cache (:class:`~spec_core.kv_cache.PagedBatch`),
 builds that cache, says what it can do (:class:`Capabilities`) and times its own work. The runner behind it is
 chosen once: :class:`spec_core.backends.torch_runner.RunnerBackend` wraps :class:`~spec_core.runner.ModelRunner`
-(the fp32 torch path, the CPU kernels and formats it switches on), and on a CUDA device adds graph replay
-(:mod:`spec_core.backends.cuda_graphs`) over the static-buffer step (:mod:`spec_core.backends.static_step`).
+(the fp32 torch path, and the CPU backend's kernels and formats, :mod:`spec_core.backends.cpu`, which it switches
+on for a CPU), and on a CUDA device adds graph replay (:mod:`spec_core.backends.cuda_graphs`) over the
+static-buffer step (:mod:`spec_core.backends.static_step`); :mod:`spec_core.backends.default` picks them.
 
-Layout: nothing here imports the CPU-kernel modules, and the CUDA-graph module imports nothing that does
-(``tests/test_backends.py``).
+Layout: this package's own modules import nothing of the CPU backend; the CUDA-graph module and the CPU backend
+import nothing of each other (``tests/test_backends.py``), and the engines import only this protocol
+(``tests/test_engine_layout.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from spec_core.backends.static_step import Buckets, PagedForward, StaticStep
 from spec_core.kv_cache import PagedBatch, PagedKVCache
 
 
@@ -71,12 +72,3 @@ class Backend(Protocol):
         """How small forwards pad their row count (:class:`spec_core.packing.pack`'s ``padding``), or None."""
         ...
 
-
-def static_step(forward: PagedForward, cache: PagedKVCache, buckets: Buckets | None = None) -> PagedForward:
-    """The static-buffer step over ``cache``: captured and replayed as CUDA graphs on a CUDA device, run eagerly
-    elsewhere. The CUDA-graph module is imported only for a CUDA cache."""
-    if cache.kv.device.type == "cuda":
-        from spec_core.backends.cuda_graphs import graph_step
-
-        return graph_step(forward, cache, buckets)
-    return StaticStep(forward, cache.scratch_slot, cache.kv.device, buckets)

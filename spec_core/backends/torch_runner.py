@@ -11,7 +11,8 @@ import contextlib
 
 import torch
 
-from spec_core.backends import Capabilities, static_step
+from spec_core.backends import Capabilities
+from spec_core.backends.default import static_step
 from spec_core.backends.static_step import Buckets
 from spec_core.kv_cache import PagedBatch, PagedKVCache
 from spec_core.runner import ModelRunner

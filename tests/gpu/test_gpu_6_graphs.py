@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from spec_core.backends import static_step
+from spec_core.backends.default import static_step
 from spec_core.backends.static_step import Buckets
 from spec_core.packing import WorkItem, pack
 from spec_core.runner import ModelRunner

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.shape_costs import decode_items, shape_config, write_random_model
-from spec_core.backends import static_step
+from spec_core.backends.default import static_step
 from spec_core.backends.static_step import Buckets
 from spec_core.packing import pack
 from spec_core.runner import ModelRunner

@@ -1,14 +1,14 @@
 """``--dtype w8a8``: a target with int8 weights and int8 activations, calibrated at load.
 
-fbgemm's dynamically quantized linear (:class:`spec_core.quant.W8A8Weight`) multiplies in integers on VNNI, so a
-decode step costs about half of bf16's and a verify of 5 rows little more than one. But an activation quantized with
-one scale per call loses its small channels to the few large ones. SmoothQuant (Xiao et al., 2023) moves that range
+fbgemm's dynamically quantized linear (:class:`spec_core.backends.cpu.quant.W8A8Weight`) multiplies in integers on VNNI,
+so a decode step costs about half of bf16's and a verify of 5 rows little more than one. But an activation quantized
+with one scale per call loses its small channels to the few large ones. SmoothQuant (Xiao et al., 2023) moves that range
 into the weights: for each input channel j of a matrix W, s_j = max|x_j|^α / max|W_j|^(1−α), and x/s · (s·W) = x·W
-exactly. The 1/s folds into whatever produced x (an RMSNorm's weight, or the V projection for the output
-projection), so the model computes the same function in exact arithmetic and only the rounding changes.
+exactly. The 1/s folds into whatever produced x (an RMSNorm's weight, or the V projection for the output projection), so
+the model computes the same function in exact arithmetic and only the rounding changes.
 
 - The input ranges come from an fp32 pass over :data:`CALIBRATION` prompts (HumanEval tasks the benchmarks do not
-  use), recorded by :class:`spec_core.quant.Observed`.
+  use), recorded by :class:`spec_core.backends.cpu.quant.Observed`.
 - Every layer matrix runs W8A8; the down projection's input is silu(gate)·up, so its scales divide up's columns.
   The LM head stays bf16 (oneDNN, prepacked): W8A8 there cost most of the agreement, and int8 weight-only costs
   more time (3.8 ms at one row and 9.7 at five; bf16's barely grows with the rows). Measured on 6 HumanEval prompts × 32 greedy
@@ -26,12 +26,12 @@ projection), so the model computes the same function in exact arithmetic and onl
 - Like ``int8`` and ``int4``, it is its own numeric model: its greedy agreement with fp32 is reported, never
   assumed. Through fbgemm it is not batch-invariant (one activation scale covers a call's rows).
 
-Two kernels (:func:`row_gemm` picks). Where fbgemm multiplies on VNNI, the table above (an AVX-512 VNNI machine)
-holds. On x86 CPUs without VNNI, fbgemm keeps only 7 bits of each activation, so the matrices, the head included,
-run the compiled kernel of ``kernels/quant_gemm.c`` (:class:`spec_core.quant.RowW8A8Weight`): a scale per block of 32
-of each row, all 8 bits, and a forward that is batch-invariant (SD and SSD equal w8a8's own AR token for token).
-Measured on an AVX2 EPYC, 6 HumanEval prompts × 64 greedy tokens, prefix matching fp32: fbgemm with an fp32 head
-92/384, one scale per row 109/384, a scale per block (α = 0.6) 231/384; T(1) 24.2 against 15.2 ms (per row).
+Two kernels (:func:`row_gemm` picks). Where fbgemm multiplies on VNNI, the table above (an AVX-512 VNNI machine) holds.
+On x86 CPUs without VNNI, fbgemm keeps only 7 bits of each activation, so the matrices, the head included, run the
+compiled kernel of ``kernels/quant_gemm.c`` (:class:`spec_core.backends.cpu.quant.RowW8A8Weight`): a scale per block of
+32 of each row, all 8 bits, and a forward that is batch-invariant (SD and SSD equal w8a8's own AR token for token).
+Measured on an AVX2 EPYC, 6 HumanEval prompts × 64 greedy tokens, prefix matching fp32: fbgemm with an fp32 head 92/384,
+one scale per row 109/384, a scale per block (α = 0.6) 231/384; T(1) 24.2 against 15.2 ms (per row).
 """
 
 from __future__ import annotations
@@ -42,8 +42,15 @@ import time
 
 import torch
 
-from spec_core.quant import Observed, onednn_bf16, pack_w8a8_rows, quantize_w8a8, require_w8a8, w8a8_reduce_range
-from spec_core.runner import dense_layout
+from spec_core.backends.cpu.quant import (
+    Observed,
+    onednn_bf16,
+    pack_w8a8_rows,
+    quantize_w8a8,
+    require_w8a8,
+    w8a8_reduce_range,
+)
+from spec_core.weight_layout import dense_layout
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +132,15 @@ def smooth_layer(layer, amax: dict[str, torch.Tensor], spec, alpha: float = ALPH
 def row_kernel_available() -> bool:
     """Whether a runner with the CPU kernels multiplies w8a8 through the compiled matmul: where it is built with
     SIMD and fbgemm would keep 7 bits of each activation (x86 without VNNI)."""
-    from spec_core import cpu_kernels
+    from spec_core.backends.cpu import cpu_kernels
 
     return w8a8_reduce_range() and cpu_kernels.quant_gemm() is not None
 
 
 def row_gemm(runner):
-    """The compiled W8A8 matmul with a scale per row (:class:`spec_core.quant.RowW8A8Weight`) where ``runner`` uses
-    the CPU kernels and :func:`row_kernel_available`, else None (fbgemm)."""
-    from spec_core import cpu_kernels
+    """The compiled W8A8 matmul with a scale per row (:class:`spec_core.backends.cpu.quant.RowW8A8Weight`) where
+    ``runner`` uses the CPU kernels and :func:`row_kernel_available`, else None (fbgemm)."""
+    from spec_core.backends.cpu import cpu_kernels
 
     return cpu_kernels.quant_gemm().w8a8 if runner.kernels is not None and row_kernel_available() else None
 

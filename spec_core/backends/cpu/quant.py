@@ -11,7 +11,7 @@
 
 - ``--dtype w8a8``: int8 weights *and* int8 activations (:class:`W8A8Weight`, through fbgemm's dynamically
   quantized linear: one activation scale per call, integer products on VNNI), with SmoothQuant scales calibrated at
-  load (:mod:`spec_core.w8a8`); fp32 elsewhere, with a bf16 LM head.
+  load (:mod:`spec_core.backends.cpu.w8a8`); fp32 elsewhere, with a bf16 LM head.
 
 Where the CPU kernels run, int4 (:class:`RowInt4Weight`) and, on x86 without VNNI, w8a8 (:class:`RowW8A8Weight`)
 multiply through the compiled matmuls of ``kernels/quant_gemm.c`` instead: activations quantized to int8 per row
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec_core.kquant import KQuantWeight
+from spec_core.backends.cpu.kquant import KQuantWeight
 
 #: The kernel's input dtype: its CPU path is vectorised for bf16 inputs (fp32 inputs take a ~10x slower path).
 KERNEL_INPUT_DTYPE = torch.bfloat16
@@ -379,7 +379,7 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 def quantize(w: Weight, fmt: str, kernels=None) -> Int8Weight | Int4Weight | RowW8A8Weight | RowInt4Weight:
     """``w`` in the weight-only format ``fmt`` (``int8`` or ``int4``): for torch's kernels, or for the compiled
-    ``kernels`` (:func:`spec_core.cpu_kernels.quant_gemm`) where given, whose int8 matrices are W8A8's."""
+    ``kernels`` (:func:`spec_core.backends.cpu.cpu_kernels.quant_gemm`) where given, whose int8 matrices are W8A8's."""
     if isinstance(w, PackedLinear):
         w = LinearWeight(w.dense())
     if kernels is not None and fmt == "int4":

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from spec_core.kquant import KQuantGemm, KQuantWeight
+from spec_core.backends.cpu.kquant import KQuantGemm, KQuantWeight
+from spec_core.backends.cpu.quant import RowW8A8Weight, matmul
 from spec_core.model_paths import cache_dir
-from spec_core.quant import RowW8A8Weight, matmul
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +142,10 @@ class DecodeKernels:
 
 
 class QuantGemm:
-    """``kernels/quant_gemm.c``: ``x @ w`` for the packed weights of :mod:`spec_core.quant`
-    (:class:`~spec_core.quant.RowW8A8Weight`, :class:`~spec_core.quant.RowInt4Weight`), each block of 32 of a row of
-    ``x`` quantized to int8 with its own scale (batch-invariant), one call per matmul. ``x``: ``[rows, in]`` fp32,
-    contiguous; the result ``[rows, out]`` fp32."""
+    """``kernels/quant_gemm.c``: ``x @ w`` for the packed weights of :mod:`spec_core.backends.cpu.quant`
+    (:class:`~spec_core.backends.cpu.quant.RowW8A8Weight`, :class:`~spec_core.backends.cpu.quant.RowInt4Weight`), each
+    block of 32 of a row of ``x`` quantized to int8 with its own scale (batch-invariant), one call per matmul. ``x``:
+    ``[rows, in]`` fp32, contiguous; the result ``[rows, out]`` fp32."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i = ctypes.c_void_p, ctypes.c_int64

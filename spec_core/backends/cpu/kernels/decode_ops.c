@@ -8,7 +8,7 @@
  * (dense fp32, transformers' arithmetic bit for bit) never calls them.
  *
  * Each function comes in two forms, for fp32 and bf16 activations (suffix _f32, _bf16). Built by
- * spec_core/cpu_kernels.py with -O3 -march=native -fopenmp-simd and called through ctypes, which releases the GIL
+ * spec_core/backends/cpu/cpu_kernels.py with -O3 -march=native -fopenmp-simd and called through ctypes, which releases the GIL
  * for the call. Pointers are to contiguous row-major buffers; indices are int64.
  *
  * Ragged rows. Attention takes B rows of up to T new tokens. With lens NULL every row has T (pad tokens included,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_core.quant import Weight, matmul
+from spec_core.backends.cpu.quant import Weight, matmul
 
 #: Row counts measured: past 8 rows the stack's time grows with its rows on every CPU measured.
 MAX_ROWS = 8

@@ -95,7 +95,7 @@ def as_rows(raw: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def pack(raw: np.ndarray | torch.Tensor, type_name: str, in_features: int, gemm) -> KQuantWeight:
     """A GGUF matrix (its raw blocks, ``[out, row bytes]``, of type ``type_name``) as a :class:`KQuantWeight` for
-    ``gemm`` (:func:`spec_core.cpu_kernels.kquant_gemm`'s)."""
+    ``gemm`` (:func:`spec_core.backends.cpu.cpu_kernels.kquant_gemm`'s)."""
     if type_name not in FORMATS:
         raise ValueError(f"{type_name} is not a format the K-quant kernels run ({', '.join(FORMATS)})")
     fmt, rows = FORMATS[type_name], np.ascontiguousarray(raw)
