@@ -86,11 +86,9 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     target = uniform.to(cdf).view(-1, 1) * total
     idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
     # If rounding landed on a zero-mass entry, step back to the last token with mass.
-    bad = probs.gather(-1, idx) <= 0
-    if bool(bad.any()):
-        last_nonzero = (probs > 0).float().cumsum(-1).argmax(-1, keepdim=True)
-        idx = torch.where(bad, last_nonzero, idx)
-    return idx.squeeze(-1)
+    bad = probs.gather(-1, idx) <= 0  # decided on the device: no host sync
+    last_nonzero = (probs > 0).float().cumsum(-1).argmax(-1, keepdim=True)
+    return torch.where(bad, last_nonzero, idx).squeeze(-1)
 
 
 def normalise(dist: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,7 @@ def test_mixed_sampling_params_in_one_batch(tiny_models):
 HOT_PATH_MODULES = ("verifier_service/engine.py", "verifier_service/ssd_proposer.py", "spec_core/draft_engine.py",
                     "drafter_service/ssd_drafter.py", "spec_core/sampling.py", "spec_core/tree.py",
                     "spec_core/packing.py", "spec_core/runner.py", "spec_core/ngram.py", "spec_core/kv_cache.py",
-                    "spec_core/tree_draft.py")
+                    "spec_core/tree_draft.py", "spec_core/chain_verify.py", "verifier_service/target_rows.py")
 FORBIDDEN = (".item()", ".tolist()", ".cpu()", "torch.tensor(")
 
 

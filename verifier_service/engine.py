@@ -195,6 +195,8 @@ class VerifierEngine:
             return greedy_verify_tree_path(argmax, tree)
         if seq.request_id in sampled.picks:
             return [sampled.picks[seq.request_id]], []
+        if seq.request_id in sampled.verified:  # a chain, verified with the step's others
+            return sampled.verified[seq.request_id]
         probs = sampled.probs[seq.request_id]
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))

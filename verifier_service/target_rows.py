@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec_core.chain_verify import ChainRound, is_chain, verify_chains
 from spec_core.coupling import coupled_picks, coupling_keys
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import VERIFY, Sequence
@@ -17,11 +18,13 @@ from spec_core.tree import TokenTree
 
 @dataclass(slots=True)
 class SampledRows:
-    """A step's sampled requests: each one's target probabilities ``[N+1, V]`` (by request id), and for those
-    with nothing to verify (a plain round) the token already drawn."""
+    """A step's sampled requests: each one's target probabilities ``[N+1, V]`` (by request id), for those with
+    nothing to verify (a plain round) the token already drawn, and for those with a chain its verification
+    (emitted tokens, accepted nodes; :func:`spec_core.chain_verify.verify_chains`, the whole step's at once)."""
 
     probs: dict[str, torch.Tensor] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=dict)
+    verified: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
 def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]]) -> SampledRows:
@@ -50,6 +53,11 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
             u = torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain])
             drawn = to_host(sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u))
             out.picks.update({seq.request_id: int(t) for (seq, _), t in zip(plain, drawn)})
+    chains = [(seq, tree) for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match and is_chain(tree)]
+    rounds = [ChainRound(out.probs[seq.request_id], tree,
+                         seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
+              for seq, tree in chains]
+    out.verified = {seq.request_id: v for (seq, _), v in zip(chains, verify_chains(rounds))}
     return out
 
 
