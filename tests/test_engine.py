@@ -207,6 +207,28 @@ def test_greedy_verify_step_at_batch_16_crosses_at_most_twice(tiny_models, mode)
         assert s.output_ids == ar_reference(target, s.prompt_ids, 8)
 
 
+@pytest.mark.parametrize("batch", [4, 16])
+def test_sampled_verify_step_crosses_five_times_at_any_batch(tiny_models, batch):
+    """A sampled SD step verifies every request's chain together on the device (the tokens are the per-request
+    rule's: tests/test_chain_verify.py): one download for the batch (each round's tests passed and last token),
+    no argmax download, and the same crossings at any batch size."""
+    target, draft = ModelRunner(tiny_models["llama"]), ModelRunner(tiny_models["llama-draft"])
+    engine = make_engine(target, draft, k=3, num_blocks=512)
+    seqs = [Sequence(f"r{i}", [(7 * i + j) % 50 + 3 for j in range(6)],
+                     SamplingParams(temperature=0.8, max_new_tokens=8, ignore_eos=True)) for i in range(batch)]
+    for s in seqs:
+        engine.add(s)
+    steps = []
+    while engine.has_work():
+        full = all(s.output_ids and s.remaining > 3 for s in seqs)  # every request verifies a K = 3 chain
+        engine.step()
+        if full:
+            steps.append(engine.metrics.last_step_crossings)
+    # the packed batch, the rows' indices, their settings and the chains' tokens and uniforms up; the results down
+    assert steps and all(total == 5 for total in steps), steps
+    assert all(len(s.output_ids) == 8 for s in seqs)
+
+
 def test_sampled_rows_equal_the_per_request_computation():
     """One softmax over every sampled request's rows, and one draw for the plain rounds among them, give the
     per-request values bit for bit (so a seeded request's tokens do not depend on its batch)."""

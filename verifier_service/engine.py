@@ -225,9 +225,9 @@ class VerifierEngine:
         """Run one step; returns the requests that finished in it.
 
         Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
-        batch, per length group) and one download (every row's argmax), plus one upload for tree K/V moves and
-        whatever sampled requests' verification needs.
-        """
+        batch, per length group) and one download (every row's argmax, where a greedy or coupled request reads
+        it), plus one upload for tree K/V moves and, for sampled requests, their rows' settings up and their
+        verification or draws down, batched over the step (:mod:`verifier_service.target_rows`)."""
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
@@ -248,7 +248,9 @@ class VerifierEngine:
         """The forward over ``items``, then each request's verification, K/V moves and finishing."""
         with self.backend.timer() as timer:  # CUDA events on a GPU: kernel time, not launch time
             logits = forward_items(self.backend, self.cache, items, self.config.group_overhead_tokens)
-        argmax = to_host(argmax_rows(logits))
+        # every row's argmax, downloaded where a deterministic request reads it (a sampled step's draws come down
+        # with its verification, in target_rows)
+        argmax = to_host(argmax_rows(logits)) if any(w.seq.params.deterministic for w in work) else None
         if self.config.verify_delay_s:
             time.sleep(self.config.verify_delay_s)
         forward_s = timer.elapsed_s() + self.config.verify_delay_s
@@ -266,7 +268,7 @@ class VerifierEngine:
             if tree is None:
                 w.seq.num_computed += w.num_pending
                 continue
-            picks = coupled.get(w.seq.request_id) or argmax[b][: tree.num_nodes + 1]
+            picks = coupled.get(w.seq.request_id) or (argmax[b][: tree.num_nodes + 1] if argmax else [])
             self._apply(w.seq, tree, logits[b, : tree.num_nodes + 1], picks, moves, sampled)
             if w.seq.finished:
                 finished.append(w.seq)
