@@ -86,7 +86,8 @@ class LaunchOptions:
 def verifier_config(cfg: ServiceConfig, target: str, drafter_host: str = "127.0.0.1") -> VerifierServerConfig:
     """The verifier's settings; ``drafter_host``: where the drafter listens (its link's credentials follow)."""
     public = cfg.public_security()
-    return VerifierServerConfig(ModelConfig(target, cfg.dtype, cfg.device, cuda_graphs=not cfg.enforce_eager), spec=cfg.speculation(),
+    target_model = ModelConfig(target, cfg.dtype, cfg.device, cuda_graphs=not cfg.enforce_eager)
+    return VerifierServerConfig(target_model, spec=cfg.speculation(),
                                 cache=CacheConfig(kv_memory_fraction=cfg.kv_memory_fraction),
                                 scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                                           max_num_batched_tokens=cfg.max_num_batched_tokens),

@@ -11,7 +11,8 @@ from spec_core.kv_cache import PagedKVCache
 
 def as_backend(model) -> Backend:
     """``model`` if it is a :class:`Backend`, else a runner behind
-    :class:`~spec_core.backends.torch_runner.RunnerBackend` (its steps replayed as CUDA graphs where the runner asks for them: ``ModelRunner.cuda_graphs``)."""
+    :class:`~spec_core.backends.torch_runner.RunnerBackend` (its steps replayed as CUDA graphs where the runner
+    asks for them: ``ModelRunner.cuda_graphs``)."""
     if isinstance(model, Backend):
         return model
     from spec_core.backends.torch_runner import RunnerBackend
