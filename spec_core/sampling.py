@@ -83,12 +83,11 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     """
     cdf = torch.cumsum(probs.float(), dim=-1)
     total = cdf[:, -1:]
-    target = uniform.to(cdf).view(-1, 1) * total
-    idx = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1)
-    # If rounding landed on a zero-mass entry, step back to the last token with mass.
-    bad = probs.gather(-1, idx) <= 0  # decided on the device: no host sync
-    last_nonzero = (probs > 0).float().cumsum(-1).argmax(-1, keepdim=True)
-    return torch.where(bad, last_nonzero, idx).squeeze(-1)
+    # The cdf rises only at tokens with mass, so the first entry above a target below the total has mass. u · total
+    # may round up to the total: such a target steps down to the float below it, and lands on the last token with
+    # mass. No host sync, and no pass over the row besides the cumsum.
+    target = torch.minimum(uniform.to(cdf).view(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 def normalise(dist: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / "kernels" / name
                 for name in ("decode_ops.c", "quant_gemm.c", "decoder.c", "kquant_gemm.c"))
 #: Headers the sources include: part of the build's name, so an edit to one rebuilds.
-HEADERS = tuple(Path(__file__).parent / "kernels" / name for name in ("attention_simd.h", "kquant_simd.h"))
+HEADERS = tuple(Path(__file__).parent / "kernels" / name
+                for name in ("attention_simd.h", "kquant_simd.h", "half.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-pthread")
 #: The most new tokens a row may have for the kernels' attention (a loop over every query and slot, fine for

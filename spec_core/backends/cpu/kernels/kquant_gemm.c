@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "half.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #include <immintrin.h>
 #define KQ_SIMD 2
@@ -68,15 +70,7 @@ int64_t kq_strip_bytes(int64_t fmt, int64_t k) {
 static float fp16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    float f;
-    if (exp == 0) {
-        f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    const uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    memcpy(&f, &u, 4);
-    return f;
+    return half_to_float(h);
 }
 
 /* ---- GGUF blocks: codes and group scales (ggml's layouts). ---- */

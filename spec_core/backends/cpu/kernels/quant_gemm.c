@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "half.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_SIMD 1
@@ -60,19 +62,6 @@ static void quantize_row(const float *restrict x, int8_t *restrict q, float *res
         d[b] = top / 127.f;
         sums[b] = d[b] * (float)total;
     }
-}
-
-/* IEEE half to float, exactly (for the plain-C form; F16C's conversion is exact too). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    float f;
-    if (exp == 0) {
-        f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    const uint32_t u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
-    memcpy(&f, &u, 4);
-    return f;
 }
 
 /* w8a8: the 8 dot products of each of nr <= ROW_GROUP quantized rows (codes kp apart, block scales d kp / 32 apart)
