@@ -23,7 +23,7 @@ from verifier_service.scheduler import SchedulerConfig
 def _engine(pair: LoadedPair, mode: str, k: int, concurrency: int, local_ssd=None) -> VerifierEngine:
     if mode in LOCAL_SSD_MODES:
         engine = local_ssd.engine
-        nodes = max(k, local_ssd.config.ssd.max_nodes)  # the drafter's largest candidate tree
+        nodes = max(k, local_ssd.ssd.max_nodes)  # the drafter's largest candidate tree
         engine.scheduler.config = SchedulerConfig(max_num_seqs=concurrency, max_spec_nodes=nodes)
         return engine
     drafter = None

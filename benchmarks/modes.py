@@ -136,13 +136,12 @@ class ModeRunner:
 
     def _local_ssd(self, mode: str, settings: BenchSettings, target: ModelConfig, draft: ModelConfig):
         """A local two-process SSD for ``mode``, entered (closed by :meth:`close`)."""
-        from cluster.local_ssd import LocalSSD, LocalSSDConfig
+        from cluster.local_ssd import LocalPlacement, LocalSSD
 
         pair = self.gen.pair
         config = settings.service_config(target.path, draft.path, target.resolved_dtype, draft.dtype, mode)
-        local_cfg = LocalSSDConfig.from_config(draft.path, config, draft_pad_rows=draft.pad_rows,
-                                               draft_cpu_kernels=draft.cpu_kernels)
-        return LocalSSD(pair.target, local_cfg, eos_ids=pair.eos_ids).__enter__()
+        place = LocalPlacement(draft_pad_rows=draft.pad_rows, draft_cpu_kernels=draft.cpu_kernels)
+        return LocalSSD(pair.target, config, place, eos_ids=pair.eos_ids).__enter__()
 
     def close(self) -> None:
         for local in self.local_ssds.values():

@@ -14,14 +14,15 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from drafter_service.process import DrafterProcessConfig, spawn_drafter
+from drafter_service.process import DrafterProcessConfig, drafter_process_main, spawn_drafter
 from protos import codec
 from spec_core.arch import decode_params
-from spec_core.config import SSDConfig, draft_dtype
+from spec_core.config import draft_dtype
 from spec_core.runner import ModelRunner
 from spec_core.settings import ServiceConfig
 from verifier_service.core_lending import core_lending
@@ -34,23 +35,19 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class LocalSSDConfig:
-    draft_path: str
-    ssd: SSDConfig = field(default_factory=SSDConfig)
+class LocalPlacement:
+    """Where the local pair's two processes run and what each holds: what ``ssd serve``'s launcher decides for its
+    actors (cores, KV pools, the draft runner's CPU options), not a setting of the pair (those are the one
+    configuration's, :class:`~spec_core.settings.ServiceConfig`)."""
+
     verifier_core: int | None = 0
     drafter_core: int | None = 1
-    backup: str = "ngram"
-    max_num_seqs: int = 8
+    #: The verifier's KV pool.
     num_blocks: int = 2048
     block_size: int = 16
-    tree_delay_s: float = 0.0
-    verify_delay_s: float = 0.0
-    wait_fraction: float = 0.5
-    backup_policy: str = "auto"
-    #: K per step and request from measured costs (down to 0); off: always ``ssd.k``.
-    adaptive_k: bool = False
-    #: the drafter process's dtype and device; ``None``: the target's (see ``LocalSSD._default_draft_dtype``)
-    draft_dtype: str | None = None
+    #: The drafter's KV pool (None: :class:`~spec_core.config.SSDConfig`'s).
+    drafter_blocks: int | None = None
+    #: The drafter process's device (None: the target's).
     draft_device: str | None = None
     #: Row padding for the drafter's runner (:mod:`spec_core.backends.cpu.row_padding`).
     draft_pad_rows: bool = True
@@ -60,33 +57,31 @@ class LocalSSDConfig:
     draft_head_vocab: int | None = None
     #: How often the watcher checks the drafter process (and restarts it if it died); 0 = never restart.
     restart_interval_s: float = 0.5
-    #: How sampled requests draw (``EngineConfig.sampling``: auto, residual or coupled).
-    sampling: str = "auto"
-    #: Plain steps borrow the drafter's core while nothing speculates (:mod:`verifier_service.core_lending`).
-    lend_cores: bool = True
 
-    @classmethod
-    def from_config(cls, draft_path: str, config: ServiceConfig, drafter_pool: dict | None = None,
-                    **process) -> LocalSSDConfig:
-        """The local pair running the one configuration's speculation and engine settings, as ``ssd serve`` would
-        (K, budget, C, tree, strategy, adaptive K, backup policy, sampling, batch size, the draft's dtype);
-        ``drafter_pool``: the drafter's KV pool size; ``process``: this path's own fields (cores, the verifier's
-        KV pool, the draft runner's options, lending)."""
-        if config.draft_dtype is not None:
-            process.setdefault("draft_dtype", config.draft_dtype)
-        process.setdefault("lend_cores", config.lend_cores)
-        return cls(draft_path, config.ssd_config(**(drafter_pool or {})), adaptive_k=config.adaptive_k,
-                   backup_policy=config.backup_policy, sampling=config.sampling, max_num_seqs=config.max_num_seqs,
-                   **process)
+    def drafter_pool(self) -> dict:
+        """The drafter's pool as :meth:`ServiceConfig.ssd_config` takes it."""
+        if self.drafter_blocks is None:
+            return {}
+        return {"num_blocks": self.drafter_blocks, "block_size": self.block_size}
 
 
 class LocalSSD:
     """Context manager owning the drafter process and an SSD-driven :class:`VerifierEngine`."""
 
-    def __init__(self, target: ModelRunner, config: LocalSSDConfig, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, target: ModelRunner, config: ServiceConfig, placement: LocalPlacement | None = None,
+                 eos_ids: tuple[int, ...] = (), drafter_main: Callable = drafter_process_main) -> None:
+        """The pair runs ``config``'s speculation and engine settings, as ``ssd serve`` would (K, budget, C, tree,
+        strategy, adaptive K, the backup and its policy, sampling, batch size, the draft and its dtype, lending);
+        ``placement``: this path's processes; ``drafter_main``: the drafter process's entry point (a picklable
+        callable with :func:`~drafter_service.process.drafter_process_main`'s signature)."""
         self.target = target
         self.config = config
+        self.placement = placement or LocalPlacement()
+        self.ssd = config.ssd_config(**self.placement.drafter_pool())
+        self.speculation = config.speculation()
+        self.draft_path = config.draft or config.model_paths()[1]
         self.eos_ids = eos_ids
+        self.drafter_main = drafter_main
         self._old_affinity: set[int] | None = None
         self._old_threads = torch.get_num_threads()
         self.proc = None
@@ -101,28 +96,28 @@ class LocalSSD:
         self._waiting = mp.get_context("spawn").RawValue("b", 0)
 
     def _spawn(self) -> None:
-        cfg, ssd = self.config, self.config.ssd
+        place, ssd, sp = self.placement, self.ssd, self.speculation
         hello = codec.make_hello("", self.target.vocab_size, ssd.k, ssd.fanout.budget,
-                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), cfg.backup, cfg.wait_fraction,
-                                 target_params=decode_params(self.target.hf_config))
-        lend = cfg.verifier_core if cfg.lend_cores and self.target.device.type == "cpu" else None
+                                 codec.sampling_mode(ssd.saguaro_c, ssd.fanout.kind, ssd.tree), sp.backup,
+                                 sp.wait_fraction, target_params=decode_params(self.target.hf_config))
+        lend = place.verifier_core if self.config.lend_cores and self.target.device.type == "cpu" else None
         self.proc, self.link, self.drafter_info = spawn_drafter(
-            DrafterProcessConfig(cfg.draft_path, ssd, core=cfg.drafter_core, tree_delay_s=cfg.tree_delay_s,
-                                 dtype=cfg.draft_dtype or self._default_draft_dtype(),
-                                 device=cfg.draft_device or str(self.target.device), pad_rows=cfg.draft_pad_rows,
-                                 cpu_kernels=cfg.draft_cpu_kernels, lend_core=lend,
-                                 head_vocab=cfg.draft_head_vocab, cuda_graphs=self.target.cuda_graphs),
-            hello, waiting=self._waiting,
+            DrafterProcessConfig(self.draft_path, ssd, core=place.drafter_core,
+                                 dtype=self.config.draft_dtype or self._default_draft_dtype(),
+                                 device=place.draft_device or str(self.target.device), pad_rows=place.draft_pad_rows,
+                                 cpu_kernels=place.draft_cpu_kernels, lend_core=lend,
+                                 head_vocab=place.draft_head_vocab, cuda_graphs=self.target.cuda_graphs),
+            hello, waiting=self._waiting, main=self.drafter_main,
         )
 
     def _default_draft_dtype(self) -> str:
         """The target's dtype, or for a weight-only target (int4, int8) the draft's own default (``draft_dtype``)."""
         return draft_dtype(self.target.weights or str(self.target.dtype).removeprefix("torch."),
-                           self.target.kernels is not None, self.config.draft_path)
+                           self.target.kernels is not None, self.draft_path)
 
     def _watch(self) -> None:
         """Restart a dead drafter process; the proposer switches to the new link at its next step."""
-        while not self._stopping.wait(self.config.restart_interval_s):
+        while not self._stopping.wait(self.placement.restart_interval_s):
             if self.link.alive or self.proposer.pending_link is not None:
                 continue
             old_link, code = self.link, self.proc.exitcode
@@ -137,29 +132,29 @@ class LocalSSD:
             self.proposer.pending_link = self.link
 
     def __enter__(self) -> LocalSSD:
-        cfg = self.config
+        cfg, place, sp = self.config, self.placement, self.speculation
         self._spawn()
-        if cfg.verifier_core is not None and hasattr(os, "sched_setaffinity"):
+        if place.verifier_core is not None and hasattr(os, "sched_setaffinity"):
             self._old_affinity = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, {cfg.verifier_core})
+            os.sched_setaffinity(0, {place.verifier_core})
         torch.set_num_threads(1)
-        common = dict(backup=cfg.backup, wait_fraction=cfg.wait_fraction, backup_policy=cfg.backup_policy,
-                      device=self.target.device, max_nodes=cfg.ssd.max_nodes)
+        common = dict(backup=sp.backup, wait_fraction=sp.wait_fraction, backup_policy=sp.backup_policy,
+                      device=self.target.device, max_nodes=self.ssd.max_nodes)
         if self.strategy == "run-ahead":
             proposer = RunAheadProposer(self.link, self.target.vocab_size, waiting=self._waiting, **common)
         else:
             proposer = SSDProposer(self.link, self.target.vocab_size, **common)
-        plan = EnginePlan(cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, k=cfg.ssd.k, max_spec_nodes=cfg.ssd.max_nodes,
-                          sampling=cfg.sampling, adaptive_k=cfg.adaptive_k, verify_delay_s=cfg.verify_delay_s)
-        if cfg.adaptive_k and self.strategy == "run-ahead":
-            logger.info("run-ahead drafting keeps K fixed at %d (the planner's costs model a fan-out drafter)", cfg.ssd.k)
-        lending = (core_lending(cfg.verifier_core, self.drafter_info.get("affinity", []), self.target)
+        plan = EnginePlan(place.num_blocks, place.block_size, cfg.max_num_seqs, k=sp.k,
+                          max_spec_nodes=self.ssd.max_nodes, sampling=sp.sampling, adaptive_k=sp.adaptive_k)
+        if sp.adaptive_k and self.strategy == "run-ahead":
+            logger.info("run-ahead drafting keeps K fixed at %d (the planner's costs model a fan-out drafter)", sp.k)
+        lending = (core_lending(place.verifier_core, self.drafter_info.get("affinity", []), self.target)
                    if cfg.lend_cores else None)
         self.engine = build_engine(self.target, plan, proposer, lending)
         if self.engine.lending is not None:
             with self.engine.lending.lent():
                 self.target.row_padding()  # measured per thread count: now, not in the first lent step
-        if cfg.restart_interval_s > 0:
+        if place.restart_interval_s > 0:
             self._watcher = threading.Thread(target=self._watch, name="drafter-watch", daemon=True)
             self._watcher.start()
         return self

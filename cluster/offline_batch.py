@@ -77,12 +77,13 @@ def run_batch(pair: LoadedPair, requests: list, output_path: Path, settings: Bat
     with the batch's K, concurrency and KV pool."""
     seqs = make_sequences(pair, requests)
     if settings.mode == "ssd":
-        from cluster.local_ssd import LocalSSD, LocalSSDConfig
+        from cluster.local_ssd import LocalPlacement, LocalSSD
 
-        base = (config or ServiceConfig()).model_copy(update={"k": settings.k, "max_num_seqs": settings.concurrency})
-        pool = {"num_blocks": settings.num_blocks, "block_size": settings.block_size}
-        cfg = LocalSSDConfig.from_config(settings.draft_path, base, drafter_pool=pool, **pool)
-        with LocalSSD(pair.target, cfg, eos_ids=pair.eos_ids) as local:
+        base = (config or ServiceConfig()).model_copy(update={"k": settings.k, "max_num_seqs": settings.concurrency,
+                                                               "draft": settings.draft_path})
+        place = LocalPlacement(num_blocks=settings.num_blocks, block_size=settings.block_size,
+                               drafter_blocks=settings.num_blocks)
+        with LocalSSD(pair.target, base, place, eos_ids=pair.eos_ids) as local:
             summary = _run_engine(local.engine, seqs, output_path)
             summary["cache_hit_rate"] = local.proposer.stats.cache_hit_rate
             return summary

@@ -45,11 +45,10 @@ def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions:
         return [r[0] for r in ranked], None, ranked
     uniforms = seq.uniforms_for(positions, 1, DRAFT)
     n, vocab = config.proposal_top_n, logits.shape[-1]
-    if config.ship_raw_q or not 0 < n < vocab:
+    if not 0 < n < vocab:
         q = request_probs(logits[None], [seq.params])[0]
         q_prime = truncate_top_n(saguaro_downweight(q, top_f, config.saguaro_c), n)
-        toks = to_host(sample_from_probs(q_prime, uniforms))
-        return toks, q if config.ship_raw_q else q_prime, None
+        return to_host(sample_from_probs(q_prime, uniforms)), q_prime, None
     # Work on the top-n logits only: the proposal is the (temperature, top-k/top-p, Saguaro) distribution over the
     # draft's n likeliest tokens, scattered back into vocabulary-sized rows for the verifier.
     vals, idx = topk_rows(logits.float(), n)

@@ -14,6 +14,7 @@ import queue
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -149,8 +150,6 @@ class DrafterProcessConfig:
     device: str = "cpu"
     pad_rows: bool = True  #: :mod:`spec_core.backends.cpu.row_padding`
     cpu_kernels: bool = True  #: :mod:`spec_core.backends.cpu.cpu_kernels`
-    #: Test hook: extra seconds added to every bundle build (slow-drafter experiments).
-    tree_delay_s: float = 0.0
     #: Run-ahead drafting on a CPU: the verifier's core, borrowed while the verifier waits (None: never).
     lend_core: int | None = None
     #: The draft head's vocabulary (``ModelConfig.head_vocab``; None: auto).
@@ -168,21 +167,15 @@ class DrafterProcessConfig:
 class DrafterLoop:
     """Event handling, separated from the process so it can be unit-tested in one process."""
 
-    def __init__(self, drafter: SSDDrafter, link: PipeLink, tree_delay_s: float = 0.0, backup: str = "ngram",
-                 wait_fraction: float = 0.5, event_delay_s: float = 0.0) -> None:
-        """``tree_delay_s`` / ``event_delay_s``: fault injection (a slow drafter); seconds added to every bundle
-        build, or before handling every batch of events (so just-in-time drafts are late too)."""
+    def __init__(self, drafter: SSDDrafter, link: PipeLink, backup: str = "ngram", wait_fraction: float = 0.5
+                 ) -> None:
         self.drafter = drafter
         self.link = link
-        self.tree_delay_s = tree_delay_s
-        self.event_delay_s = event_delay_s
         self.backup = backup
         self.wait_fraction = wait_fraction
         self.running = True
 
     def handle(self, events: list[object]) -> None:
-        if self.event_delay_s:
-            time.sleep(self.event_delay_s)
         outcomes: list[OutcomeEvent] = []
         reqs, specs, misses = [], [], []
         for ev in events:
@@ -212,8 +205,6 @@ class DrafterLoop:
         if not reqs:
             return
         self._serve_misses(reqs, specs, misses)
-        if self.tree_delay_s:
-            time.sleep(self.tree_delay_s)
         for req, bundle in zip(reqs, self.drafter.build_bundles(reqs, specs, send=self.link.send)):
             req.bundle = bundle
 
@@ -309,7 +300,7 @@ def drafter_process_main(conn, config: DrafterProcessConfig, waiting=None) -> No
         borrowing = core_borrowing(waiting, config.core, config.lend_core, runner)
         RunAheadLoop(RunAheadDrafter(runner, config.ssd), link, borrowing).run()
     else:
-        DrafterLoop(SSDDrafter(runner, config.ssd), link, config.tree_delay_s, backup, wait_fraction).run()
+        DrafterLoop(SSDDrafter(runner, config.ssd), link, backup, wait_fraction).run()
 
 
 def drafter_strategy(ssd: SSDConfig, runner: ModelRunner, target_params: int) -> str:
@@ -320,15 +311,16 @@ def drafter_strategy(ssd: SSDConfig, runner: ModelRunner, target_params: int) ->
     return resolve_strategy(ssd.strategy, decode_params(runner.hf_config), target_params)
 
 
-def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0, waiting=None
-                  ) -> tuple[mp.Process, PipeLink, dict]:
+def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0, waiting=None,
+                  main: Callable = drafter_process_main) -> tuple[mp.Process, PipeLink, dict]:
     """Start the drafter process, send ``hello`` (with the verifier's backup settings) and wait for its ack;
     returns the process, the verifier's end of the link and the ack as a dict (pid, device, affinity, strategy).
     ``waiting``: a shared flag (``multiprocessing`` raw value, spawn context) the verifier sets while it waits for a
-    run-ahead drafter, which then borrows ``config.lend_core``."""
+    run-ahead drafter, which then borrows ``config.lend_core``. ``main``: the process's entry point (picklable,
+    :func:`drafter_process_main`'s signature)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=drafter_process_main, args=(child, config, waiting), daemon=True, name="ssd-drafter")
+    proc = ctx.Process(target=main, args=(child, config, waiting), daemon=True, name="ssd-drafter")
     proc.start()
     link = PipeLink(parent, vocab_size=hello.vocab_size, proc=proc)
     link.send_pb(pb.DrafterEvent(hello=hello))

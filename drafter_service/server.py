@@ -44,8 +44,6 @@ class DrafterServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     hello_timeout_s: float = 30.0
-    #: Fault injection (tests, chaos runs): seconds the drafter sleeps before handling each batch of events.
-    inject_delay_s: float = 0.0
     #: Mutual TLS: our certificate and key, and the CA that signed the verifier's (protos.security.TLSFiles).
     tls: object | None = None
     #: A bearer token every call but health checks must carry, read from this file or environment variable
@@ -95,7 +93,7 @@ class _Session:
             self.loop = RunAheadLoop(RunAheadDrafter(runner, config.ssd), self.link)
         else:
             self.loop = DrafterLoop(SSDDrafter(runner, config.ssd), self.link, backup=backup,
-                                    wait_fraction=wait_fraction, event_delay_s=config.inject_delay_s)
+                                    wait_fraction=wait_fraction)
         self.thread = threading.Thread(target=self._run, args=(loop,), name="drafter-loop", daemon=True)
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -354,8 +354,7 @@ class SSDDrafter:
             path_tokens = [[specs[i].token_ids[p] for p in path] for path in paths[i]]
             lookups = [r.lookup.propose(path + [key[1]], lookup_depth(r.k), 2) if keep else []  # the outcome's context
                        for path, key in zip(path_tokens, br)]
-            entries = {key: grown[i][b].speculation("cache", lookups[b], keep)
-                       for b, key in enumerate(br)} if not self.config.drop_cache else {}
+            entries = {key: grown[i][b].speculation("cache", lookups[b], keep) for b, key in enumerate(br)}
             bundles.append(BranchBundle(r.seq.request_id, r.round, list(specs[i].token_ids), entries, ready_at=now,
                                         base_parents=specs[i].parents))
         return bundles

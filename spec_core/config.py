@@ -254,10 +254,6 @@ class SSDConfig:
     proposal_top_n: int = 64
     num_blocks: int = 1024
     block_size: int = 16
-    #: Test hook: ship empty bundles, so every round misses (the forced-miss regime).
-    drop_cache: bool = False
-    #: NEGATIVE CONTROL ONLY: sample from Saguaro's q′ but ship the raw q (breaks exactness when C < 1).
-    ship_raw_q: bool = False
     #: The tree drafted per outcome for greedy requests; a chain is the paper's SSD.
     tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
     #: ... and for sampled ones (leaves are i.i.d. draws). A chain by default: at T = 0.8 on the real pair,

@@ -80,6 +80,13 @@ class ServiceConfig(BaseModel):
     backup_policy: Literal["auto", "neural", "fast"] = setting(
         "auto", "on a miss: wait for a just-in-time draft (neural), n-gram at once (fast), or by batch size from "
         "measured timings (auto: the paper's b*)", "speculation")
+    backup: Literal["ngram", "none"] = setting(
+        "ngram", "what a round speculates when the drafter's speculation is missing or late: the prompt's n-gram "
+        "continuation, or nothing (a plain step)", "speculation")
+    wait_fraction: float = setting(0.5, "the longest a verifier waits for a just-in-time draft on a miss, as a "
+                                   "fraction of its measured verify time", "speculation", ge=0)
+    fit_fanout: float = setting(1.0, "fit each bundle's fan-out to be built within this fraction of the verifier's "
+                                "measured step (0: always the whole budget)", "speculation", ge=0)
     sampling: Literal["auto", "residual", "coupled"] = setting(
         "auto", "how sampled requests draw: residual (accept or resample), coupled (each token an exact race "
         "keyed by seed and position: reproducible at any K), auto (coupled for requests with a seed)",
@@ -152,12 +159,14 @@ class ServiceConfig(BaseModel):
     def ssd_config(self, **pool: Any) -> SSDConfig:
         """The drafter's side of these settings (``pool``: its KV pool's size, where not from device memory)."""
         return SSDConfig(k=self.k, fanout=FanoutConfig(budget=self.fanout_budget), saguaro_c=self.saguaro_c,
-                         tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy, **pool)
+                         tree=TreeShape.parse(self.tree), strategy=self.ssd_strategy, fit_fanout=self.fit_fanout or None,
+                         **pool)
 
     def speculation(self) -> SpeculationConfig:
         """The verifier's side of these settings."""
         return SpeculationConfig(mode="ssd", k=self.k, budget=self.fanout_budget, saguaro_c=self.saguaro_c,
-                                 adaptive_k=self.adaptive_k, backup_policy=self.backup_policy,
+                                 adaptive_k=self.adaptive_k, backup=self.backup, wait_fraction=self.wait_fraction,
+                                 backup_policy=self.backup_policy,
                                  tree=TreeShape.parse(self.tree), sampling=self.sampling)
 
     def model_paths(self) -> tuple[str, str]:

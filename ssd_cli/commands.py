@@ -170,7 +170,7 @@ def _batch_config(args: argparse.Namespace, target, draft, on_ray: bool):
 def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: bool = True):
     """One request through local two-process SSD (verifier here on core 0, drafter process on core 1), with adaptive
     K up to ``k`` as ``ssd serve`` runs it (``adaptive=False``: K every round)."""
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+    from cluster.local_ssd import LocalSSD, generate_ssd
     from spec_core.settings import ServiceConfig
     from verifier_service.api import GenerationResult
 
@@ -179,7 +179,7 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: b
     ids = chat.encode(gen.tokenizer, prompt)
     gen.check_token_ids(ids)
     pair = gen.pair
-    config = LocalSSDConfig.from_config(draft_path, ServiceConfig(k=k, fixed_k=not adaptive))
+    config = ServiceConfig(draft=draft_path, k=k, fixed_k=not adaptive)
     with LocalSSD(pair.target, config, eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
     ssd["plain_round_fraction"] = stats.plain_round_fraction or 0.0  # ssd bench's field

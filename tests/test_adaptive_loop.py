@@ -9,11 +9,11 @@ import pytest
 from reference_decoding import greedy_outputs
 from test_adaptive import FixedCost
 
-from cluster.local_ssd import LocalSSD, LocalSSDConfig
-from spec_core.config import SamplingParams, SSDConfig
-from spec_core.fanout import FanoutConfig
+from cluster.local_ssd import LocalSSD
+from spec_core.config import SamplingParams
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 from verifier_service.adaptive import AdaptiveK
 
 # the verifier and the drafter process each pinned to a core of their own
@@ -34,8 +34,7 @@ def test_adaptive_k_in_the_ssd_loop_keeps_greedy_exact(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     refs = greedy_outputs(target, prompts, 24)
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"),
-                         max_num_seqs=2, adaptive_k=True)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=6, ssd_strategy="fanout", max_num_seqs=2)
     with LocalSSD(target, cfg) as ssd:
         # an injected cost model under which speculation does not pay: K drops to 0 (with periodic probes)
         ssd.engine.adaptive.cost = FixedCost(0.001, 0.01)
@@ -71,8 +70,8 @@ def test_plain_rounds_reach_the_drafter_in_one_event(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     refs = greedy_outputs(target, prompts, 40)
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=2,
-                         backup="none", wait_fraction=50.0)
+    cfg = ServiceConfig(draft=str(tiny_models["llama"]), k=3, budget=6, ssd_strategy="fanout", fixed_k=True,
+                        max_num_seqs=2, backup="none", wait_fraction=50.0)
     with LocalSSD(target, cfg) as ssd:
         ssd.engine.adaptive = _ScriptedK(k=3, plain=5, spec=3)
         seqs = _run_greedy(ssd, prompts, 40)
@@ -95,8 +94,7 @@ def test_bench_concurrent_runs_keep_one_planner_and_restore_the_engines(tiny_mod
     refs = greedy_outputs(target, prompts, 16)
     pair = LoadedPair(target, None, tokenizer=None, eos_ids=())
     params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * 2
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"),
-                         max_num_seqs=2, adaptive_k=True)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=6, ssd_strategy="fanout", max_num_seqs=2)
     with LocalSSD(target, cfg) as ssd:
         own, planner = ssd.engine.adaptive, AdaptiveK(k_max=3)
         first = run_concurrent(pair, "ssd", prompts, params, 3, 2, ssd, planner)

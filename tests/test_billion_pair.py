@@ -66,11 +66,13 @@ def hf_greedy(paths, prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("strategy", ["auto", "fanout"])
 def test_greedy_ssd_equals_transformers(paths, target, prompts, hf_greedy, strategy) -> None:
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig
-    from spec_core.config import SamplingParams, SSDConfig
+    from cluster.local_ssd import LocalSSD
+    from spec_core.config import SamplingParams
     from spec_core.sequence import Sequence
+    from spec_core.settings import ServiceConfig
 
-    cfg = LocalSSDConfig(paths["draft"], SSDConfig(k=4, strategy=strategy), draft_dtype="float32", max_num_seqs=2)
+    cfg = ServiceConfig(draft=paths["draft"], k=4, ssd_strategy=strategy, fixed_k=True, draft_dtype="float32",
+                        max_num_seqs=2)
     with LocalSSD(target, cfg) as ssd:
         assert ssd.strategy == ("run-ahead" if strategy == "auto" else "fanout")
         seqs = [Sequence(str(i), ids, SamplingParams(max_new_tokens=NEW, ignore_eos=True))

@@ -18,7 +18,7 @@ EVERY = {
     "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16", "draft-dtype": "int4",
     "device": "cpu",
     "served-model-name": "my-model", "k": 4, "budget": 5, "ssd-strategy": "run-ahead", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
-    "backup-policy": "fast", "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
+    "backup-policy": "fast", "backup": "none", "wait-fraction": 0.25, "fit-fanout": 0.5, "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
     "drain-grace": 5.0, "auth-token-file": "/tmp/token", "auth-token-env": "TOKEN", "tls-cert": None,
     "tls-key": None, "stats-log-interval": 30.0, "max-body-bytes": 1048576, "drafter-host": "node-ip", "lend-cores": False,
@@ -53,7 +53,8 @@ def test_every_flag_is_a_setting_and_the_file_sets_it(tmp_path) -> None:
     assert v.scheduler.max_num_batched_tokens == 1024 and v.scheduler.max_num_seqs == 8
     assert v.spec.k == 4 and v.spec.budget == 5 and v.spec.saguaro_c == 0.5 and not v.spec.adaptive_k
     assert str(v.spec.tree) == "3x1" and d.ssd.tree == v.spec.tree and v.spec.sampling == "coupled"
-    assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "int4"
+    assert d.ssd.strategy == "run-ahead" and d.draft.dtype == "int4" and d.ssd.fit_fanout == 0.5
+    assert (v.spec.backup, v.spec.wait_fraction) == ("none", 0.25)  # the drafter hears them in the handshake
     assert v.spec.k + sum(v.spec.tree.leaves(v.spec.k)) == d.ssd.max_nodes == 6
     assert v.cache.kv_memory_fraction == 0.3 and v.target.dtype == "bfloat16"
     assert not v.target.cuda_graphs and not d.draft.cuda_graphs  # enforce-eager reaches both models
@@ -173,16 +174,15 @@ def test_the_local_and_served_ssd_rows_run_the_same_settings() -> None:
     verifier get the same K, tree, budget, C, strategy, sampling, backup policy and draft dtype either way."""
     from benchmarks.bench import BenchSettings
     from cluster.launch import drafter_config, verifier_config
-    from cluster.local_ssd import LocalSSDConfig
+    from cluster.local_ssd import LocalSSD
 
     bench = BenchSettings(modes=("ssd", "ssd-service"), num_prompts=1, max_new_tokens=8, k=4, repeats=1,
                           temperatures=(0.0,), prompts_file=None, ignore_eos=True, target_threads=1, budget=7,
                           saguaro_c=0.5, tree="2x1", sampling="coupled", ssd_strategy="fanout")
     cfg = bench.service_config("/t", "/d", "int4", "int4")
-    local = LocalSSDConfig.from_config("/d", cfg)
+    local = LocalSSD(None, cfg)  # not entered: nothing loads or starts
     served, spec = drafter_config(cfg, "/t", "/d"), verifier_config(cfg, "/t").spec
-    assert local.ssd == served.ssd and local.draft_dtype == served.draft.dtype == "int4"
-    assert (local.adaptive_k, local.sampling, local.backup_policy) == (spec.adaptive_k, spec.sampling,
-                                                                       spec.backup_policy)
+    assert local.ssd == served.ssd and local.speculation == spec
+    assert local.draft_path == served.draft.path and local.config.draft_dtype == served.draft.dtype == "int4"
     assert (spec.k, spec.budget, str(spec.tree), local.ssd.strategy) == (4, 7, "2x1", "fanout")
     assert bench.service_config("/t", "/d", "int4", mode="ssd-chain").tree == "chain"

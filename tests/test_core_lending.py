@@ -11,12 +11,12 @@ from outbox import Outbox
 from test_adaptive import FixedCost
 from test_adaptive_loop import _ScriptedK
 
-from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from cluster.local_ssd import LocalSSD
 from spec_core.backends.cpu import cpu_kernels
-from spec_core.config import SamplingParams, SSDConfig
-from spec_core.fanout import FanoutConfig
+from spec_core.config import SamplingParams
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 from spec_core.speculation import PrefillEvent
 from verifier_service.adaptive import AdaptiveK
 from verifier_service.core_lending import CoreLending, core_lending
@@ -83,8 +83,8 @@ def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models) -> No
     target = ModelRunner(tiny_models["llama"], weights="int4")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 1, 4, 1, 5]]
     refs = _engine_ar(target, prompts, 40)
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)),
-                         max_num_seqs=3, backup="none", wait_fraction=50.0)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=6, fixed_k=True, max_num_seqs=3,
+                        backup="none", wait_fraction=50.0)
     threads: list[int] = []
     forward = target.forward_paged
 
@@ -123,7 +123,7 @@ def test_the_bench_reports_its_lent_steps(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"], weights="int4")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6)), max_num_seqs=2)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=6, fixed_k=True, max_num_seqs=2)
     with LocalSSD(target, cfg) as ssd:
         out = run_concurrent(LoadedPair(target, None, tokenizer=None, eos_ids=()), "ssd", prompts, params, 3, 2, ssd,
                              _ScriptedK(k=3, plain=9, spec=3))

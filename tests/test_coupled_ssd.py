@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import DrafterDown
+from fault_injection import ForgetfulDrafter
 
 from drafter_service.loopback import LoopbackLink
 from drafter_service.ssd_drafter import SSDDrafter
@@ -48,11 +49,12 @@ def _run(target: ModelRunner, drafter=None, k: int = K, sampling: str = "coupled
     return [s.output_ids for s in seqs], seqs
 
 
-def _ssd(draft: ModelRunner, link: str = "loopback", drop_cache: bool = False) -> SSDProposer:
-    cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=6), drop_cache=drop_cache, tree=TreeShape.uniform(2, 2))
+def _ssd(draft: ModelRunner, link: str = "loopback", forgetful: bool = False) -> SSDProposer:
+    cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=6), tree=TreeShape.uniform(2, 2))
     if link == "down":
         return SSDProposer(DrafterDown(), 256, wait_fraction=0.0, backup_policy="neural", max_nodes=cfg.max_nodes)
-    return SSDProposer(LoopbackLink(SSDDrafter(draft, cfg)), 256, wait_fraction=0.5, backup_policy="neural",
+    drafter = (ForgetfulDrafter if forgetful else SSDDrafter)(draft, cfg)
+    return SSDProposer(LoopbackLink(drafter), 256, wait_fraction=0.5, backup_policy="neural",
                        max_nodes=cfg.max_nodes)
 
 
@@ -62,7 +64,7 @@ def test_coupled_tokens_are_the_same_in_every_mode_and_regime(tiny_models):
     plain, seqs = _run(target)
     assert all(s.params.coupled for s in seqs)
     hits = _ssd(draft)
-    jit = _ssd(draft, drop_cache=True)
+    jit = _ssd(draft, forgetful=True)
     backup = _ssd(draft, link="down")
     for proposer in (hits, jit, backup):
         assert _run(target, proposer)[0] == plain

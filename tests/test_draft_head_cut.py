@@ -138,9 +138,10 @@ def test_only_drafts_are_cut_and_a_bad_map_is_refused(tiny):
 @kquant
 def test_speculation_with_a_cut_draft_equals_the_targets_greedy_output(tiny, monkeypatch, tmp_path):
     """SD in process and SSD with its drafter process (both strategies), the draft's head cut to 300 ids."""
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
-    from spec_core.config import SamplingParams, SSDConfig
+    from cluster.local_ssd import LocalPlacement, LocalSSD, generate_ssd
+    from spec_core.config import SamplingParams
     from spec_core.models import LoadedPair, load_runner, load_tokenizer
+    from spec_core.settings import ServiceConfig
     from verifier_service.api import Generator
 
     monkeypatch.setenv("SSD_CACHE_DIR", str(tmp_path))  # the drafter process reads the counts cached here
@@ -153,9 +154,10 @@ def test_speculation_with_a_cut_draft_equals_the_targets_greedy_output(tiny, mon
     ar = gen.generate(PROMPT, params, mode="ar").token_ids
     assert gen.generate(PROMPT, params, mode="sd").token_ids == ar
     for strategy in ("fanout", "run-ahead"):
-        cfg = LocalSSDConfig(str(folder), SSDConfig(k=3, strategy=strategy), verifier_core=None, drafter_core=None,
-                             draft_dtype="gguf", draft_head_vocab=KEEP, lend_cores=False)
-        with LocalSSD(target, cfg) as local:
+        cfg = ServiceConfig(draft=str(folder), k=3, ssd_strategy=strategy, fixed_k=True, draft_dtype="gguf",
+                            lend_cores=False)
+        place = LocalPlacement(verifier_core=None, drafter_core=None, draft_head_vocab=KEEP)
+        with LocalSSD(target, cfg, place) as local:
             seq, _, _ = generate_ssd(local, PROMPT, params)
             assert local.strategy == strategy
         assert seq.output_ids == ar, strategy

@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 import ray
+from fault_injection import late_drafter_loop
 from local_ports import free_port
 
 from drafter_service.server import DrafterServer, DrafterServerConfig
@@ -117,10 +118,11 @@ def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, g
         dep.shutdown(grace_s=5)
 
 
-def test_slow_drafter_never_stalls_the_verifier(toy_pair, greedy_reference) -> None:
+def test_slow_drafter_never_stalls_the_verifier(toy_pair, greedy_reference, monkeypatch) -> None:
     """Every drafter step is 0.3 s late (about 20 verifies). The verifier waits for a just-in-time draft on every
     miss (``neural`` policy, the worst case) but never past wait_fraction × a verify, then takes the backup."""
-    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2), inject_delay_s=0.3))
+    late_drafter_loop(monkeypatch, 0.3)
+    drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     drafter.start()
     server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(
         k=2, backup_policy="neural", wait_fraction=0.5, adaptive_k=False)))

@@ -8,13 +8,14 @@ import os
 import pytest
 from reference_decoding import generate_ar
 
-from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from cluster.local_ssd import LocalSSD
 from drafter_service.loopback import LoopbackLink
 from drafter_service.ssd_drafter import SSDDrafter
 from spec_core.config import SamplingParams, SSDConfig
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +75,9 @@ def test_a_fitted_drafter_process_sends_smaller_bundles_and_the_output_equals_ar
         generate_ar(target, seq)
         ref.append(seq.output_ids)
     ratios = {}
-    for fit in (None, 0.01):
-        cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=12),
-                                                                        fit_fanout=fit), max_num_seqs=6)
+    for fit in (0, 0.01):
+        cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=12, fit_fanout=fit, fixed_k=True,
+                            max_num_seqs=6)
         with LocalSSD(target, cfg) as local:
             local.engine.add(Sequence("warm", prompts[0], params))
             local.engine.run()
@@ -91,4 +92,4 @@ def test_a_fitted_drafter_process_sends_smaller_bundles_and_the_output_equals_ar
         assert bundles >= len(prompts), (fit, stats)  # at least each request's first (prefill) bundle
         ratios[fit] = branches / bundles
     print("branches per bundle", ratios)
-    assert ratios[None] > 10 and ratios[0.01] < 6, ratios
+    assert ratios[0] > 10 and ratios[0.01] < 6, ratios

@@ -204,7 +204,7 @@ def test_greedy_lookup_trees_equal_ar_in_every_regime(pair, regime):
     guesses: output equals AR token for token, whichever regime served the rounds."""
     target, draft = pair
     prompts = _prompts(4)
-    outs, s, _ = _loopback_run(target, draft, SSD_DEFAULT_TREE, prompts, 24, drop_cache=regime != "hits",
+    outs, s, _ = _loopback_run(target, draft, SSD_DEFAULT_TREE, prompts, 24, forgetful=regime != "hits",
                                jit=regime != "backup")
     assert outs == greedy_outputs(target, prompts, 24)
     if regime != "backup":

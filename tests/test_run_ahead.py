@@ -9,12 +9,13 @@ import pytest
 import torch
 from reference_decoding import greedy_outputs
 
-from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from cluster.local_ssd import LocalSSD
 from drafter_service.run_ahead import ChainRequest, reconcile
 from protos import codec
 from spec_core.config import SamplingParams, SSDConfig, resolve_strategy
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 from spec_core.speculation import ChainMsg, Speculation
 from verifier_service.chain_view import ChainView
 
@@ -109,7 +110,8 @@ def test_run_ahead_ssd_is_greedy_exact(tiny_models) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 4]]
     refs = greedy_outputs(target, prompts, 40)
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, strategy="run-ahead"), max_num_seqs=3)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, ssd_strategy="run-ahead", fixed_k=True,
+                        max_num_seqs=3)
     with LocalSSD(target, cfg) as ssd:
         assert ssd.strategy == "run-ahead"
         seqs = _run(ssd, prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -124,7 +126,8 @@ def test_run_ahead_ssd_reproduces_a_seeded_sampled_request(tiny_models) -> None:
     """Sampled with a seed: the same tokens twice (the verifier's uniforms are keyed, the drafter's too)."""
     target = ModelRunner(tiny_models["llama"])
     params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=7, ignore_eos=True)
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, strategy="run-ahead"), max_num_seqs=2)
+    cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, ssd_strategy="run-ahead", fixed_k=True,
+                        max_num_seqs=2)
     with LocalSSD(target, cfg) as ssd:
         first = _run(ssd, [[5, 6, 7, 8]], params)[0].output_ids
         again = _run(ssd, [[5, 6, 7, 8]], params)[0].output_ids

@@ -6,13 +6,15 @@ import os
 
 import pytest
 import torch
+from fault_injection import ForgetfulDrafter, drafter_main, slow_verifier
 from reference_decoding import greedy_outputs
 
-from cluster.local_ssd import LocalSSD, LocalSSDConfig
+from cluster.local_ssd import LocalPlacement, LocalSSD
 from spec_core.config import SamplingParams, SSDConfig, TreeShape
 from spec_core.fanout import FanoutConfig
 from spec_core.runner import ModelRunner
 from spec_core.sequence import Sequence
+from spec_core.settings import ServiceConfig
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or os.cpu_count() < 2,
                                 reason="needs two cores and CPU affinity")
@@ -23,8 +25,19 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, 256, (4 + 3 * i,), generator=gen).tolist() for i in range(n)]
 
 
-def _run(target, cfg: LocalSSDConfig, prompts, n_new: int):
-    with LocalSSD(target, cfg) as ssd:
+def _config(draft, **settings) -> ServiceConfig:
+    """The pair's one configuration: fan-out drafting, K fixed, batches of 4, unless ``settings`` say otherwise."""
+    return ServiceConfig(draft=str(draft), **{"ssd_strategy": "fanout", "fixed_k": True, "max_num_seqs": 4,
+                                              **settings})
+
+
+def _run(target, cfg: ServiceConfig, prompts, n_new: int, verify_delay_s: float = 0.0, bundle_delay_s: float = 0.0,
+         forgetful: bool = False, placement: LocalPlacement | None = None):
+    """``cfg``'s pair on ``prompts``; the delays slow every verify forward and every bundle build (faults injected
+    by :mod:`fault_injection`), ``forgetful`` ships every bundle empty."""
+    with LocalSSD(target, cfg, placement, drafter_main=drafter_main(bundle_delay_s, forgetful)) as ssd:
+        if verify_delay_s:
+            slow_verifier(ssd.engine, verify_delay_s)
         seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
                 for i, p in enumerate(prompts)]
         for s in seqs:
@@ -41,11 +54,11 @@ REGIMES = {
     # a draft that mostly agrees (the target plus noise): candidate trees hit, through leaves too
     "tree_hits": dict(draft="llama-noisy", verify_delay_s=0.15),
     # a drafter that drops its cache: every round misses and is drafted just in time
-    "forced_miss": dict(draft="llama-draft", verify_delay_s=0.05, drop_cache=True),
+    "forced_miss": dict(draft="llama-draft", verify_delay_s=0.05, forgetful=True),
     # a drafter far too slow: the verifier falls back to the n-gram backup
-    "ngram_backup": dict(draft="llama-draft", tree_delay_s=0.5, wait_fraction=0.05, backup="ngram"),
+    "ngram_backup": dict(draft="llama-draft", bundle_delay_s=0.5, wait_fraction=0.05, backup="ngram"),
     # ... or to no speculation at all (K = 0)
-    "no_backup": dict(draft="llama-draft", tree_delay_s=0.5, wait_fraction=0.05, backup="none"),
+    "no_backup": dict(draft="llama-draft", bundle_delay_s=0.5, wait_fraction=0.05, backup="none"),
 }
 
 
@@ -53,12 +66,10 @@ REGIMES = {
 def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
     opts = dict(REGIMES[regime])
     draft = opts.pop("draft")
-    drop = opts.pop("drop_cache", False)
+    faults = {key: opts.pop(key) for key in ("verify_delay_s", "bundle_delay_s", "forgetful") if key in opts}
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(4)
-    ssd_cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), drop_cache=drop, strategy="fanout")
-    outs, stats, _, _ = _run(target, LocalSSDConfig(str(tiny_models[draft]), ssd_cfg, max_num_seqs=4, **opts),
-                             prompts, 24)
+    outs, stats, _, _ = _run(target, _config(tiny_models[draft], k=4, budget=8, **opts), prompts, 24, **faults)
     assert outs == greedy_outputs(target, prompts, 24)
     if regime == "all_hits":
         assert stats.cache_hit_rate >= 0.6, stats
@@ -73,10 +84,9 @@ def test_greedy_equals_ar_in_every_regime(tiny_models, regime):
 def test_concurrency_is_real(tiny_models):
     """200 ms per verify and 140 ms per drafter tree: overlapped rounds stay under 260 ms (serial ≥ 340 ms)."""
     target = ModelRunner(tiny_models["llama"])
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=1,
-                         verify_delay_s=0.2, tree_delay_s=0.14, wait_fraction=1.0)
+    cfg = _config(tiny_models["llama"], k=3, budget=6, max_num_seqs=1, wait_fraction=1.0)
     prompts = _prompts(1)
-    outs, stats, info, engine = _run(target, cfg, prompts, 16)
+    outs, stats, info, engine = _run(target, cfg, prompts, 16, verify_delay_s=0.2, bundle_delay_s=0.14)
     assert outs == greedy_outputs(target, prompts, 16)
     assert info["affinity"] and info["verifier_affinity"]
     assert set(info["affinity"]).isdisjoint(info["verifier_affinity"]), info
@@ -98,10 +108,9 @@ def test_fast_backup_waits_for_a_bundle_that_is_nearly_ready(tiny_models):
     reference = greedy_outputs(target, prompts, 24)
     got = {}
     for fraction in (0.5, 0.01):
-        cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=4, fanout=FanoutConfig(budget=6), strategy="fanout"),
-                             max_num_seqs=1, verify_delay_s=0.2, tree_delay_s=0.21, backup_policy="fast",
-                             wait_fraction=fraction)
-        outs, stats, _, _ = _run(target, cfg, prompts, 24)
+        cfg = _config(tiny_models["llama"], k=4, budget=6, max_num_seqs=1, backup_policy="fast",
+                      wait_fraction=fraction)
+        outs, stats, _, _ = _run(target, cfg, prompts, 24, verify_delay_s=0.2, bundle_delay_s=0.21)
         assert outs == reference
         got[fraction] = stats
     waited, short = got[0.5], got[0.01]
@@ -174,11 +183,10 @@ def test_tiny_drafter_pool_under_long_requests_equals_ar(tiny_models):
     the policy may settle on the n-gram backup, and then the drafter is asked for nothing)."""
     target = ModelRunner(tiny_models["llama"])
     prompts = [p * 5 for p in _prompts(8)]
-    cfg = LocalSSDConfig(str(tiny_models["llama-draft"]), SSDConfig(k=3, fanout=FanoutConfig(budget=4),
-                                                                    num_blocks=12, block_size=16),
-                         max_num_seqs=8, wait_fraction=1.0, backup_policy="neural")
+    cfg = _config(tiny_models["llama-draft"], k=3, budget=4, ssd_strategy="auto", max_num_seqs=8, wait_fraction=1.0,
+                  backup_policy="neural")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    with LocalSSD(target, cfg) as local:
+    with LocalSSD(target, cfg, LocalPlacement(drafter_blocks=12)) as local:
         seqs = [Sequence(str(i), p, params) for i, p in enumerate(prompts)]
         for s in seqs:
             local.engine.add(s)
@@ -200,10 +208,10 @@ def test_local_drafter_killed_mid_stream_recovers(tiny_models):
     target = ModelRunner(tiny_models["llama"])
     prompts = _prompts(2)
     ref = greedy_outputs(target, prompts, 48)
-    cfg = LocalSSDConfig(str(tiny_models["llama"]), SSDConfig(k=3, fanout=FanoutConfig(budget=6), strategy="fanout"), max_num_seqs=1,
-                         verify_delay_s=0.02, wait_fraction=1.0, restart_interval_s=0.2)
+    cfg = _config(tiny_models["llama"], k=3, budget=6, max_num_seqs=1, wait_fraction=1.0)
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    with LocalSSD(target, cfg) as local:
+    with LocalSSD(target, cfg, LocalPlacement(restart_interval_s=0.2)) as local:
+        slow_verifier(local.engine, 0.02)
         first_pid = local.proc.pid
         seq = Sequence("a", prompts[0], params)
         local.engine.add(seq)
@@ -241,8 +249,8 @@ def test_seeded_residual_sampling_gives_the_same_tokens_in_every_regime(tiny_mod
     draft = ModelRunner(tiny_models["llama"])  # the target as its own draft, so sampled rounds can hit
     prompts = _prompts(4)
 
-    def run(drop_cache: bool = False, jit: bool = True):
-        drafter = SSDDrafter(draft, SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=drop_cache))
+    def run(forgetful: bool = False, jit: bool = True):
+        drafter = (ForgetfulDrafter if forgetful else SSDDrafter)(draft, SSDConfig(k=3, fanout=FanoutConfig(budget=6)))
         proposer = SSDProposer(LoopbackLink(drafter, jit=jit), 256, wait_fraction=0.5 if jit else 0.0)
         engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4, max_spec_nodes=3),
                                                      sampling="residual"), drafter=proposer, k=3)
@@ -254,8 +262,8 @@ def test_seeded_residual_sampling_gives_the_same_tokens_in_every_regime(tiny_mod
         return [s.output_ids for s in seqs], proposer.stats
 
     hits, s_hits = run()
-    jit, s_jit = run(drop_cache=True)
-    late, s_late = run(drop_cache=True, jit=False)
+    jit, s_jit = run(forgetful=True)
+    late, s_late = run(forgetful=True, jit=False)
     assert s_hits.hits > 0 and s_jit.hits == 0 and s_jit.jit_misses == s_jit.rounds, (s_hits, s_jit)
     assert s_late.backup == 0 and s_late.jit_received > 0, s_late  # seeded requests had their neural drafts
     assert hits == jit == late
@@ -269,7 +277,6 @@ def test_prefill_and_first_outcome_in_one_drafter_batch_keep_its_kv_right(tiny_m
     twice in that pass corrupted its K/V (every later draft came from wrong context). With the target as its own
     draft and greedy decoding, every speculated token must be accepted."""
     from drafter_service.loopback import LoopbackLink
-    from drafter_service.ssd_drafter import SSDDrafter
     from verifier_service.engine import EngineConfig, VerifierEngine
     from verifier_service.scheduler import SchedulerConfig
     from verifier_service.ssd_proposer import SSDProposer
@@ -290,8 +297,8 @@ def test_prefill_and_first_outcome_in_one_drafter_batch_keep_its_kv_right(tiny_m
     target = ModelRunner(tiny_models["llama"])
     # The draft is the target, so every drafted token is accepted (the check below): no prompt-lookup nodes, which
     # the draft did not choose.
-    cfg = SSDConfig(k=3, fanout=FanoutConfig(budget=6), drop_cache=True, tree=TreeShape.parse("auto+nolookup"))
-    drafter = SSDDrafter(ModelRunner(tiny_models["llama"]), cfg)
+    cfg = SSDConfig(k=3, fanout=FanoutConfig(budget=6), tree=TreeShape.parse("auto+nolookup"))
+    drafter = ForgetfulDrafter(ModelRunner(tiny_models["llama"]), cfg)
     proposer = SSDProposer(Busy(drafter), 256, wait_fraction=0.5)
     engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4,
                                                                            max_spec_nodes=cfg.max_nodes)),

@@ -11,6 +11,13 @@ import logging
 import pytest
 import torch
 from conftest import DrafterDown, save_noisy_copy, save_tiny_model
+from fault_injection import (
+    ForgetfulDrafter,
+    GreedyMatchBackupProposer,
+    RawQDrafter,
+    coupling_without_position,
+    without_sibling_recursion,
+)
 from scipy.stats import chisquare
 
 from drafter_service.loopback import LoopbackLink
@@ -66,20 +73,21 @@ def exact_pairs(target: ModelRunner, m: int = M, vocab: int = VOCAB, prompt: lis
     return [full.sum(dim=tuple(d for d in range(m) if d not in (i, i + 1))) for i in range(m - 1)]
 
 
-def run_ssd(target, draft, c: float, regime: str, ship_raw_q: bool = False, backup_greedy_match: bool = False,
-            sibling_recursion: bool = True, sampling: str = "residual", couple_by_position: bool = True):
+def run_ssd(target, draft, c: float, regime: str, drafter_class=SSDDrafter, proposer_class=SSDProposer,
+            sampling: str = "residual"):
     """``regime``: hits (the drafter's cache), jit (it drops its cache: every round drafted just in time) or
     backup (no drafter: every round an n-gram proposal). ``sampling``: the engine's rule (the requests are seeded,
-    which ``auto`` would couple); coupled requests draft the greedy tree, so it is ``TREE`` too."""
+    which ``auto`` would couple); coupled requests draft the greedy tree, so it is ``TREE`` too. The classes:
+    the real drafter and proposer, or a negative control's (:mod:`fault_injection`)."""
     cfg = SSDConfig(k=K, fanout=FanoutConfig(budget=8), saguaro_c=c, num_blocks=8192, block_size=8,
-                    drop_cache=regime == "jit", ship_raw_q=ship_raw_q, sampled_tree=TREE, tree=TREE)
-    link = DrafterDown() if regime == "backup" else LoopbackLink(SSDDrafter(draft, cfg))
-    proposer = SSDProposer(link, VOCAB, backup_greedy_match=backup_greedy_match, wait_fraction=0.5,
-                           backup_policy="neural")
+                    sampled_tree=TREE, tree=TREE)
+    if regime == "jit":
+        drafter_class = ForgetfulDrafter
+    link = DrafterDown() if regime == "backup" else LoopbackLink(drafter_class(draft, cfg))
+    proposer = proposer_class(link, VOCAB, wait_fraction=0.5, backup_policy="neural")
     engine = VerifierEngine(target, EngineConfig(8192, 8, SchedulerConfig(max_num_seqs=512,
                                                                            max_spec_nodes=cfg.max_nodes),
-                                                 sibling_recursion=sibling_recursion, sampling=sampling,
-                                                 couple_by_position=couple_by_position),
+                                                 sampling=sampling),
                             drafter=proposer, k=K)
     return sample_requests(engine), proposer.stats
 
@@ -141,22 +149,23 @@ def test_ssd_matches_target_distribution(pair, tables, c, regime):
 
 
 def test_control_raw_q_for_saguaro_sample_fails(pair, tables):
-    out, stats = run_ssd(*pair, 0.3, "hits", ship_raw_q=True)
+    out, stats = run_ssd(*pair, 0.3, "hits", drafter_class=RawQDrafter)
     p = min_pvalue(out, tables)
     _report("control raw q", stats, p)
     assert p < 1e-6
 
 
 def test_control_greedy_match_backup_fails(pair, tables):
-    out, stats = run_ssd(*pair, 1.0, "backup", backup_greedy_match=True)
+    out, stats = run_ssd(*pair, 1.0, "backup", proposer_class=GreedyMatchBackupProposer)
     p = min_pvalue(out, tables)
     _report("control greedy-match backup", stats, p)
     _check_regime(stats, "backup")
     assert p < 1e-6
 
 
-def test_control_tree_without_sibling_recursion_fails(pair, tables):
-    out, stats = run_ssd(*pair, 0.3, "hits", sibling_recursion=False)
+def test_control_tree_without_sibling_recursion_fails(pair, tables, monkeypatch):
+    without_sibling_recursion(monkeypatch)
+    out, stats = run_ssd(*pair, 0.3, "hits")
     p = min_pvalue(out, tables)
     _report("control no sibling recursion", stats, p)
     _check_regime(stats, "hits")
@@ -178,9 +187,10 @@ def test_coupled_ssd_matches_target_distribution(pair, tables, regime, monkeypat
     assert p > 1e-3
 
 
-def test_control_coupled_races_not_keyed_by_position_fail(pair, tables):
+def test_control_coupled_races_not_keyed_by_position_fail(pair, tables, monkeypatch):
     """One race noise for all of a request's positions: its tokens are correlated."""
-    out, stats = run_ssd(*pair, 1.0, "hits", sampling="coupled", couple_by_position=False)
+    coupling_without_position(monkeypatch)
+    out, stats = run_ssd(*pair, 1.0, "hits", sampling="coupled")
     p = min_pvalue(out, tables)
     _report("control coupled without position", stats, p)
     assert p < 1e-6

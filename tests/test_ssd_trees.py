@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fault_injection import ForgetfulDrafter
 from reference_decoding import greedy_outputs
 
 from protos import codec
@@ -110,15 +111,16 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, 256, (5 + 2 * i,), generator=gen).tolist() for i in range(n)]
 
 
-def _loopback_run(target, draft, tree: TreeShape, prompts, n_new: int, drop_cache=False, jit=True):
+def _loopback_run(target, draft, tree: TreeShape, prompts, n_new: int, forgetful=False, jit=True):
     from drafter_service.loopback import LoopbackLink
     from drafter_service.ssd_drafter import SSDDrafter
     from verifier_service.engine import EngineConfig, VerifierEngine
     from verifier_service.scheduler import SchedulerConfig
     from verifier_service.ssd_proposer import SSDProposer
 
-    cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), drop_cache=drop_cache, tree=tree)
-    proposer = SSDProposer(LoopbackLink(SSDDrafter(draft, cfg), jit=jit), target.vocab_size,
+    cfg = SSDConfig(k=4, fanout=FanoutConfig(budget=8), tree=tree)
+    drafter = (ForgetfulDrafter if forgetful else SSDDrafter)(draft, cfg)
+    proposer = SSDProposer(LoopbackLink(drafter, jit=jit), target.vocab_size,
                            wait_fraction=0.5 if jit else 0.0, backup_policy="neural" if jit else "fast")
     engine = VerifierEngine(target, EngineConfig(2048, 16, SchedulerConfig(max_num_seqs=4,
                                                                            max_spec_nodes=cfg.max_nodes)),
@@ -141,7 +143,7 @@ def test_greedy_trees_equal_ar_in_every_regime(pair, regime):
     """Four concurrent requests, a draft unlike the target (so leaves are accepted), a 3x2 tree per outcome."""
     target, draft = pair
     prompts = _prompts(4)
-    outs, s, _ = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 24, drop_cache=regime != "hits",
+    outs, s, _ = _loopback_run(target, draft, TreeShape.uniform(3, 2), prompts, 24, forgetful=regime != "hits",
                                jit=regime != "backup")
     assert outs == greedy_outputs(target, prompts, 24)
     if regime != "backup":  # the backup is an n-gram chain

@@ -45,13 +45,9 @@ class EngineConfig:
     num_blocks: int = 1024
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    #: Test hook: seconds added to every target forward (emulates a slower verifier).
-    verify_delay_s: float = 0.0
     #: A forward's fixed cost in tokens, for splitting a step into groups of similar length (None: by device;
     #: see :func:`spec_core.packing.split_by_length`). A prompt chunk joining short verifications runs apart.
     group_overhead_tokens: int | None = None
-    #: NEGATIVE CONTROL ONLY: verify sampled trees without sibling recursion (biased; see spec_core.tree).
-    sibling_recursion: bool = True
     #: How sampled requests draw: ``residual`` (speculative sampling's accept-or-resample with q rows), ``coupled``
     #: (:mod:`spec_core.coupling`: each token an exact race that depends only on the seed and the position,
     #: verified by argmax match), or ``auto``: coupled for seeded requests, which it keeps reproducible at any K,
@@ -59,9 +55,6 @@ class EngineConfig:
     #: K and those waits), and residual for the rest, measured faster on a CPU where speculation barely pays.
     #: All are exact. A request whose params say (``SamplingParams.coupled`` not None) keeps its rule.
     sampling: str = "auto"
-    #: NEGATIVE CONTROL ONLY: key a coupled request's races by its seed alone, not by position (one noise for all
-    #: its tokens, so they are correlated: biased).
-    couple_by_position: bool = True
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLING_RULES:
@@ -201,7 +194,7 @@ class VerifierEngine:
         if tree.greedy_match:
             return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
         uniforms = seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY)
-        return stochastic_verify_tree_path(probs, tree, uniforms, self.config.sibling_recursion)
+        return stochastic_verify_tree_path(probs, tree, uniforms)
 
     def _propose(self, work: list[ScheduledSeq]) -> tuple[dict[str, TokenTree], bool]:
         """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve, and
@@ -251,9 +244,7 @@ class VerifierEngine:
         # every row's argmax, downloaded where a deterministic request reads it (a sampled step's draws come down
         # with its verification, in target_rows)
         argmax = to_host(argmax_rows(logits)) if any(w.seq.params.deterministic for w in work) else None
-        if self.config.verify_delay_s:
-            time.sleep(self.config.verify_delay_s)
-        forward_s = timer.elapsed_s() + self.config.verify_delay_s
+        forward_s = timer.elapsed_s()
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s, sum(len(it.token_ids) for it in items))
@@ -261,8 +252,7 @@ class VerifierEngine:
         sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
                                         if tree is not None and not w.seq.params.deterministic])
         coupled = coupled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and w.seq.params.coupled],
-                               self.config.couple_by_position)
+                                        if tree is not None and w.seq.params.coupled])
         for b, (w, tree) in enumerate(zip(work, chosen)):
             w.seq.stats.verify_s += forward_s
             if tree is None:

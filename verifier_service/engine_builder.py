@@ -31,8 +31,6 @@ class EnginePlan:
     #: K per request and step from measured costs, down to 0 (:class:`verifier_service.adaptive.AdaptiveK`).
     #: A run-ahead proposer keeps K fixed: the planner's costs model a fan-out drafter.
     adaptive_k: bool = False
-    #: Test hook: extra seconds added to every verify forward (slow-verifier experiments).
-    verify_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1 or self.k < 0:
@@ -51,8 +49,7 @@ def build_engine(target, plan: EnginePlan, proposer=None, lending=None) -> Verif
     drafter's core too."""
     from verifier_service.run_ahead_proposer import RunAheadProposer
 
-    config = EngineConfig(plan.num_blocks, plan.block_size, plan.scheduler(), verify_delay_s=plan.verify_delay_s,
-                          sampling=plan.sampling)
+    config = EngineConfig(plan.num_blocks, plan.block_size, plan.scheduler(), sampling=plan.sampling)
     k = plan.k if proposer is not None else 0
     adaptive = None
     if plan.adaptive_k and k > 0 and not isinstance(proposer, RunAheadProposer):

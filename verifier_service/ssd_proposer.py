@@ -50,15 +50,14 @@ class SSDProposer:
     """Implements the engine's proposer interface (``propose``, ``commit``, ``release``) over a drafter link."""
 
     def __init__(self, link: DrafterLink, vocab_size: int, backup: str = "ngram", wait_fraction: float = 0.5,
-                 backup_greedy_match: bool = False, backup_policy: str = "auto",
+                 backup_policy: str = "auto",
                  device: torch.device | str = "cpu", max_nodes: int | None = None) -> None:
         """``backup_policy``: on a miss, ``neural`` waits for a just-in-time draft (up to ``wait_fraction`` of a
         verify), ``fast`` uses the n-gram backup at once, ``auto`` picks per step by batch size from measured
         timings (the paper's b*, :func:`spec_core.policy.choose_backup`). ``device``: the target's, where the q rows
         of sampled speculations (decoded on the host by the codec) are moved, one upload per speculation.
         ``max_nodes``: the most tree nodes the engine reserves per request and round; a larger candidate tree
-        loses its last nodes (leaves). ``backup_greedy_match`` is a NEGATIVE CONTROL ONLY (biased greedy-match
-        verification of backups)."""
+        loses its last nodes (leaves)."""
         self.max_nodes = max_nodes
         self._warned_cap = False
         if backup not in ("ngram", "none"):
@@ -80,7 +79,6 @@ class SSDProposer:
         self.device = torch.device(device)
         self.backup = backup
         self.wait_fraction = wait_fraction
-        self.backup_greedy_match = backup_greedy_match
         self.state: dict[str, SSDRequestState] = {}
         self.stats = SSDStats()
         self.verify_s_ema = 0.01
@@ -286,8 +284,10 @@ class SSDProposer:
         if not tokens:
             return TokenTree(parents=[], token_ids=[], draft_probs=None)
         self.stats.backup += 1
-        if self.backup_greedy_match and not seq.params.deterministic:
-            return TokenTree(list(range(-1, len(tokens) - 1)), tokens, None, greedy_match=True)
+        return self._backup_tree(seq, tokens)
+
+    def _backup_tree(self, seq: Sequence, tokens: list[int]) -> TokenTree:
+        """A backup chain: a sampled request's proposal is a point mass on each token (one-hot q rows)."""
         return TokenTree.chain(tokens, None if seq.params.deterministic
                                else one_hot_rows(tokens, self.vocab_size, self.device))
 

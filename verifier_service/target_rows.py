@@ -68,7 +68,7 @@ def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
     at depth d) the one at n + d, each the exact race winner of :func:`spec_core.coupling.coupled_picks` under the
     request's seed. The tree is then verified as a greedy one is, against these picks. Requests are grouped by
     filters as in :func:`sampled_rows`; one upload of row indices and keys and one download of picks per group.
-    ``by_position=False`` is a NEGATIVE CONTROL (``EngineConfig.couple_by_position``)."""
+    ``by_position=False`` is a NEGATIVE CONTROL (one noise for all of a request's tokens: biased)."""
     out: dict[str, list[int]] = {}
     groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
     for b, seq, tree in requests:

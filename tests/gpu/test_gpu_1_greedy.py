@@ -42,12 +42,13 @@ def test_generator_greedy_equals_transformers(mode, generator_cls, fp32_pair, pr
 @pytest.mark.timeout(300)
 def test_ssd_greedy_equals_transformers(fp32_pair, real_pair, prompts, hf_greedy, compare, cores, log):
     """Local two-process SSD: the verifier engine on the device here, the drafter in its own process."""
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+    from cluster.local_ssd import LocalPlacement, LocalSSD, generate_ssd
+    from spec_core.settings import ServiceConfig
 
-    cfg = LocalSSDConfig(real_pair["draft"], SSDConfig(k=K_SSD), verifier_core=cores[0], drafter_core=cores[1],
-                         max_num_seqs=4)
+    cfg = ServiceConfig(draft=real_pair["draft"], k=K_SSD, fixed_k=True, max_num_seqs=4)
+    place = LocalPlacement(verifier_core=cores[0], drafter_core=cores[1])
     bad = []
-    with LocalSSD(fp32_pair.target, cfg, eos_ids=fp32_pair.eos_ids) as local:
+    with LocalSSD(fp32_pair.target, cfg, place, eos_ids=fp32_pair.eos_ids) as local:
         log(f"drafter process ready: {local.drafter_info} (device: "
             f"{local.drafter_info.get('device', 'not reported')})")
         for i, ids in enumerate(prompts):
@@ -63,9 +64,10 @@ def test_ssd_greedy_equals_transformers(fp32_pair, real_pair, prompts, hf_greedy
 @pytest.mark.timeout(180)
 def test_ssd_drafter_process_gets_the_device(real_pair, fp32_pair, device, cores, log):
     """On a GPU the SSD drafter process should run its draft model on the GPU too, not on one CPU core."""
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig
+    from cluster.local_ssd import LocalPlacement, LocalSSD
     from drafter_service.process import DrafterProcessConfig, spawn_drafter
     from protos import codec
+    from spec_core.settings import ServiceConfig
 
     hello = codec.make_hello("", fp32_pair.target.vocab_size, K_SSD, SSDConfig().fanout.budget, "")
     proc, link, info = spawn_drafter(DrafterProcessConfig(real_pair["draft"], SSDConfig(k=K_SSD), core=None,
@@ -79,8 +81,9 @@ def test_ssd_drafter_process_gets_the_device(real_pair, fp32_pair, device, cores
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    cfg = LocalSSDConfig(real_pair["draft"], SSDConfig(k=K_SSD), verifier_core=cores[0], drafter_core=cores[1])
-    with LocalSSD(fp32_pair.target, cfg, eos_ids=fp32_pair.eos_ids) as local:
+    cfg = ServiceConfig(draft=real_pair["draft"], k=K_SSD, fixed_k=True)
+    place = LocalPlacement(verifier_core=cores[0], drafter_core=cores[1])
+    with LocalSSD(fp32_pair.target, cfg, place, eos_ids=fp32_pair.eos_ids) as local:
         got = str(local.drafter_info.get("device", "not reported"))
     assert got.startswith(torch.device(device).type), \
         f"LocalSSD with the target on {fp32_pair.target.device} should start its drafter there too; got {got}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -53,12 +53,13 @@ def test_top_k_sampling_runs_and_is_reproducible(path, fp32_pair, generator_cls,
 @pytest.mark.timeout(300)
 def test_ssd_sampled_completes(fp32_pair, real_pair, prompts, cores, log):
     """SSD at temperature 0.8 (the drafter ships its proposal rows; exact stochastic verification on the device)."""
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig, generate_ssd
+    from cluster.local_ssd import LocalPlacement, LocalSSD, generate_ssd
+    from spec_core.settings import ServiceConfig
 
-    cfg = LocalSSDConfig(real_pair["draft"], SSDConfig(k=2), verifier_core=cores[0], drafter_core=cores[1],
-                         max_num_seqs=4)
+    cfg = ServiceConfig(draft=real_pair["draft"], k=2, fixed_k=True, max_num_seqs=4)
+    place = LocalPlacement(verifier_core=cores[0], drafter_core=cores[1])
     vocab = fp32_pair.target.vocab_size
-    with LocalSSD(fp32_pair.target, cfg, eos_ids=fp32_pair.eos_ids) as local:
+    with LocalSSD(fp32_pair.target, cfg, place, eos_ids=fp32_pair.eos_ids) as local:
         for i, ids in enumerate(prompts[::2]):
             params = SamplingParams(temperature=0.8, seed=7 + i, max_new_tokens=NEW, ignore_eos=True)
             seq, stats, ssd = generate_ssd(local, ids, params, request_id=f"t{i}")

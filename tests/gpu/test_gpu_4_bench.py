@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from spec_core.config import SamplingParams, SSDConfig
+from spec_core.config import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +87,8 @@ def _report_table(gpu_report, rows: dict[str, dict], errors: dict[str, str], ref
 @pytest.mark.timeout(480)
 def test_bf16_tokens_per_s_and_agreement(pair_loader, generator_cls, real_pair, prompts, hf_greedy, cores, device,
                                          gpu_report, log):
-    from cluster.local_ssd import LocalSSD, LocalSSDConfig
+    from cluster.local_ssd import LocalPlacement, LocalSSD
+    from spec_core.settings import ServiceConfig
 
     ps = prompts[::2]  # one code, one chat prompt
     refs = [hf_greedy(ids, NEW) for ids in ps]
@@ -110,9 +111,9 @@ def test_bf16_tokens_per_s_and_agreement(pair_loader, generator_cls, real_pair, 
     measure("sd", _gen_runner(gen, "sd"))
     drafter_device = "?"
     try:
-        cfg = LocalSSDConfig(real_pair["draft"], SSDConfig(k=2), verifier_core=cores[0], drafter_core=cores[1],
-                             max_num_seqs=4)
-        with LocalSSD(pair.target, cfg, eos_ids=pair.eos_ids) as local:
+        cfg = ServiceConfig(draft=real_pair["draft"], k=2, fixed_k=True, max_num_seqs=4)
+        place = LocalPlacement(verifier_core=cores[0], drafter_core=cores[1])
+        with LocalSSD(pair.target, cfg, place, eos_ids=pair.eos_ids) as local:
             drafter_device = str(local.drafter_info.get("device", "cpu (not reported)"))
             measure("ssd", _ssd_runner(local))
     except Exception as exc:  # noqa: BLE001 - the drafter process could not start
