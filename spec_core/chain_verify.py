@@ -42,6 +42,16 @@ def verify_chains(rounds: list[ChainRound]) -> list[tuple[list[int], list[int]]]
     """(emitted tokens, accepted node indices) of every round, as :func:`stochastic_verify_tree_path` gives them."""
     if not rounds:
         return []
+    return chain_results(rounds, to_host(chain_outcomes(rounds)))
+
+
+def chain_results(rounds: list[ChainRound], outcomes: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """(emitted tokens, accepted node indices) of every round from its downloaded (tests passed, last token)."""
+    return [_emitted(r.tree, t, d) for r, (t, d) in zip(rounds, outcomes)]
+
+
+def chain_outcomes(rounds: list[ChainRound]) -> torch.Tensor:
+    """Every round's (tests passed, last token) ``[G, 2]``, on the device (nothing downloaded)."""
     g = len(rounds)
     tokens, uniforms, tests = _upload(rounds)
     width = uniforms.shape[1]
@@ -58,7 +68,7 @@ def verify_chains(rounds: list[ChainRound]) -> list[tuple[list[int], list[int]]]
     residual = torch.where(residual.sum(-1, keepdim=True) <= 0, target, residual)
     final = torch.where(rejected[:, None], residual, target)
     drawn = sample_from_probs(final, uniforms[rows, passed + rejected.long()])
-    return [_emitted(r.tree, t, d) for r, (t, d) in zip(rounds, to_host(torch.stack([passed, drawn], 1)))]
+    return torch.stack([passed, drawn], 1)
 
 
 def _upload(rounds: list[ChainRound]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

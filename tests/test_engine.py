@@ -229,11 +229,62 @@ def test_sampled_verify_step_crosses_five_times_at_any_batch(tiny_models, batch)
     assert all(len(s.output_ids) == 8 for s in seqs)
 
 
+def test_host_copy_brings_every_result_down_in_one_download():
+    from spec_core.transfer import HostCopy, crossings
+
+    down = HostCopy()
+    a, b, c = (down.add(torch.arange(6).view(2, 3)), down.add(torch.tensor([7, 8], dtype=torch.int32)),
+               down.add(torch.zeros(0, 4, dtype=torch.long)))
+    before = crossings().downloads
+    down.fetch()
+    assert crossings().downloads == before + 1
+    assert (down[a], down[b], down[c]) == ([[0, 1, 2], [3, 4, 5]], [7, 8], [])
+    with pytest.raises(RuntimeError):
+        down.add(torch.ones(1))
+    empty = HostCopy()
+    empty.fetch()
+    assert crossings().downloads == before + 1  # nothing queued: nothing crosses
+
+
+def test_a_mixed_step_downloads_once_and_keeps_every_requests_tokens(tiny_models):
+    """Greedy and seeded sampled requests in one SD batch, plain rounds among them at the end: each verifier step
+    downloads once (the argmaxes, the draws and the chains' outcomes together), greedy output is the target's own,
+    and each sampled request's tokens are those it gets alone."""
+    from spec_core.transfer import crossings
+
+    target, draft = ModelRunner(tiny_models["llama"]), ModelRunner(tiny_models["llama-draft"])
+    params = [SamplingParams(max_new_tokens=9, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=10 + i, max_new_tokens=9, ignore_eos=True, coupled=False)
+              for i in range(6)]
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(6)] for i in range(6)]
+
+    def run(indices):
+        engine = make_engine(target, draft, k=3, num_blocks=512)
+        seqs = [Sequence(f"r{i}", prompts[i], params[i]) for i in indices]
+        for s in seqs:
+            engine.add(s)
+        downloads = []
+        while engine.has_work():
+            engine.step()
+            downloads.append(engine.metrics.last_step_downloads)
+        return [s.output_ids for s in seqs], downloads
+
+    together, downloads = run(range(6))
+    assert max(downloads) == 1, downloads
+    assert crossings().downloads > 0
+    for i in range(6):
+        alone = run([i])[0][0]
+        assert together[i] == alone, i
+        if i % 2:
+            assert alone == ar_reference(target, prompts[i], 9)
+
+
 def test_sampled_rows_equal_the_per_request_computation():
     """One softmax over every sampled request's rows, and one draw for the plain rounds among them, give the
     per-request values bit for bit (so a seeded request's tokens do not depend on its batch)."""
     from spec_core.sampling import request_probs
     from spec_core.sequence import VERIFY
+    from spec_core.transfer import HostCopy, crossings
     from spec_core.tree import stochastic_verify_tree_path
     from verifier_service.target_rows import sampled_rows
 
@@ -245,13 +296,18 @@ def test_sampled_rows_equal_the_per_request_computation():
     q = torch.softmax(torch.randn(2, 50, generator=gen), -1)
     trees = [TokenTree([], [], None), TokenTree([-1, 0], [4, 9], q), TokenTree([], [], None),
              TokenTree([-1], [4], q[:1])]
-    out = sampled_rows(logits, [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))])
-    assert set(out.picks) == {"r0", "r2"}
+    down = HostCopy()
+    out = sampled_rows(logits, [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))], down)
+    before = crossings().downloads
+    down.fetch()
+    out.resolve(down)
+    assert crossings().downloads == before + 1  # the draws and the chains' outcomes in one download
+    assert set(out.picks) == {"r0", "r2"} and set(out.verified) == {"r1", "r3"}
     for b, (s, t) in enumerate(zip(seqs, trees)):
         alone = request_probs(logits[b, : t.num_nodes + 1][None], [s.params])[0]
         assert torch.equal(out.probs[s.request_id], alone)
         if not t.num_nodes:
             u = s.uniforms_at(s.num_tokens, 1, VERIFY)
             assert [out.picks[s.request_id]] == stochastic_verify_tree_path(alone, t, u)[0]
-    control = sampled_rows(logits.flip(0), [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))])
+    control = sampled_rows(logits.flip(0), [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))], HostCopy())
     assert not torch.equal(control.probs["r0"], out.probs["r0"])  # the rows really are each request's own

@@ -27,7 +27,7 @@ from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.select import argmax_rows
 from spec_core.sequence import VERIFY, Sequence
-from spec_core.transfer import crossings, to_device, to_host
+from spec_core.transfer import HostCopy, crossings, to_device, to_host
 from spec_core.tree import (
     TokenTree,
     greedy_match_verify_tree_path,
@@ -74,6 +74,8 @@ class EngineMetrics:
     #: host↔device crossings of the verifier's own work (see :meth:`VerifierEngine.step`), total and last step
     crossings: int = 0
     last_step_crossings: int = 0
+    #: ... of which downloads (each a synchronisation on a GPU).
+    last_step_downloads: int = 0
     kv_usage: list[float] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -218,21 +220,24 @@ class VerifierEngine:
         """Run one step; returns the requests that finished in it.
 
         Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
-        batch, per length group) and one download (every row's argmax, where a greedy or coupled request reads
-        it), plus one upload for tree K/V moves and, for sampled requests, their rows' settings up and their
-        verification or draws down, batched over the step (:mod:`verifier_service.target_rows`)."""
+        batch, per length group), one upload for tree K/V moves and, for sampled requests, their rows' settings
+        and chains up; and one download (:class:`~spec_core.transfer.HostCopy`) of every row's argmax where a
+        greedy or coupled request reads it, with the sampled requests' draws and chain verifications
+        (:mod:`verifier_service.target_rows`). Coupled races, sampled trees with siblings and logprobs add their
+        own."""
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
             return []
-        c0, emitted_before = crossings().total, self.metrics.tokens_emitted
+        c0, d0, emitted_before = crossings().total, crossings().downloads, self.metrics.tokens_emitted
         trees, lent = self._propose(work)
-        c_propose = crossings().total - c0
+        c_propose, d_propose = crossings().total - c0, crossings().downloads - d0
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
         with self.lending.lent() if lent else contextlib.nullcontext(), self.backend.kernel_threads():
             finished = self._verify_step(work, items, chosen)
+        self.metrics.last_step_downloads = crossings().downloads - d0 - d_propose
         self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before, lent)
         return finished
 
@@ -241,16 +246,20 @@ class VerifierEngine:
         """The forward over ``items``, then each request's verification, K/V moves and finishing."""
         with self.backend.timer() as timer:  # CUDA events on a GPU: kernel time, not launch time
             logits = forward_items(self.backend, self.cache, items, self.config.group_overhead_tokens)
-        # every row's argmax, downloaded where a deterministic request reads it (a sampled step's draws come down
-        # with its verification, in target_rows)
-        argmax = to_host(argmax_rows(logits)) if any(w.seq.params.deterministic for w in work) else None
+        # One download for the step: every row's argmax where a deterministic request reads it, the sampled
+        # requests' plain draws and their chains' verification (target_rows).
+        down = HostCopy()
+        argmax_slot = down.add(argmax_rows(logits)) if any(w.seq.params.deterministic for w in work) else None
+        sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
+                                        if tree is not None and not w.seq.params.deterministic], down)
+        down.fetch()
+        argmax = down[argmax_slot] if argmax_slot is not None else None
+        sampled.resolve(down)
         forward_s = timer.elapsed_s()
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s, sum(len(it.token_ids) for it in items))
         finished, moves = [], ([], [])
-        sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and not w.seq.params.deterministic])
         coupled = coupled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
                                         if tree is not None and w.seq.params.coupled])
         for b, (w, tree) in enumerate(zip(work, chosen)):

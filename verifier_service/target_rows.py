@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_core.chain_verify import ChainRound, is_chain, verify_chains
+from spec_core.chain_verify import ChainRound, chain_outcomes, chain_results, is_chain
 from spec_core.coupling import coupled_picks, coupling_keys
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import VERIFY, Sequence
 from spec_core.speculation import slot_positions
-from spec_core.transfer import to_device, to_host
+from spec_core.transfer import HostCopy, to_device
 from spec_core.tree import TokenTree
 
 
@@ -20,20 +20,35 @@ from spec_core.tree import TokenTree
 class SampledRows:
     """A step's sampled requests: each one's target probabilities ``[N+1, V]`` (by request id), for those with
     nothing to verify (a plain round) the token already drawn, and for those with a chain its verification
-    (emitted tokens, accepted nodes; :func:`spec_core.chain_verify.verify_chains`, the whole step's at once)."""
+    (emitted tokens, accepted nodes; :func:`spec_core.chain_verify.chain_outcomes`, the whole step's at once).
+    ``picks`` and ``verified`` are filled by :meth:`resolve`, once the step's :class:`HostCopy` has fetched."""
 
     probs: dict[str, torch.Tensor] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=dict)
     verified: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    #: (request ids, slot) of each group's plain draws, and (request ids, rounds, slot) of the chains.
+    _plain: list[tuple[list[str], int]] = field(default_factory=list)
+    _chains: tuple[list[str], list[ChainRound], int] | None = None
+
+    def resolve(self, down: HostCopy) -> SampledRows:
+        """Read the draws and the chains' outcomes from ``down`` (fetched)."""
+        for ids, slot in self._plain:
+            self.picks.update(zip(ids, down[slot]))
+        if self._chains is not None:
+            ids, rounds, slot = self._chains
+            self.verified.update(zip(ids, chain_results(rounds, down[slot])))
+        return self
 
 
-def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]]) -> SampledRows:
+def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy
+                 ) -> SampledRows:
     """One :func:`request_probs` over every sampled request's rows (``(b, seq, tree)``: its batch row b of
     ``logits [B, L, V]`` and its tree), and one draw for every plain round among them, instead of a softmax and
     a draw per request (int4 at batch 16, T = 0.8: ITL 107.3 → 105.1 ms). Each row's arithmetic is its own, so the
     values are those of the per-request calls (requests are grouped by which top-k/top-p filters they use, since
     a filter runs on every row of a call); a plain round's draw uses its verification uniform, as
-    :func:`stochastic_verify_tree_path` does for an empty tree."""
+    :func:`stochastic_verify_tree_path` does for an empty tree. The draws and the chains' outcomes are queued on
+    ``down``: :meth:`SampledRows.resolve` reads them after its fetch."""
     out = SampledRows()
     groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
     for b, seq, tree in requests:  # a filter applied to a whole call (top-k 0 or top-p 1 rows too) may round them
@@ -51,13 +66,14 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
             start += tree.num_nodes + 1
         if plain:
             u = torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain])
-            drawn = to_host(sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u))
-            out.picks.update({seq.request_id: int(t) for (seq, _), t in zip(plain, drawn)})
+            drawn = sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u)
+            out._plain.append(([seq.request_id for seq, _ in plain], down.add(drawn)))
     chains = [(seq, tree) for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match and is_chain(tree)]
-    rounds = [ChainRound(out.probs[seq.request_id], tree,
-                         seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
-              for seq, tree in chains]
-    out.verified = {seq.request_id: v for (seq, _), v in zip(chains, verify_chains(rounds))}
+    if chains:
+        rounds = [ChainRound(out.probs[seq.request_id], tree,
+                             seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
+                  for seq, tree in chains]
+        out._chains = ([seq.request_id for seq, _ in chains], rounds, down.add(chain_outcomes(rounds)))
     return out
 
 
