@@ -30,12 +30,13 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from spec_core.sampling import sample_from_probs
-from spec_core.transfer import to_device, to_host
+from spec_core.transfer import HostCopy, to_device, to_host
 
 #: Tokens raced one by one; the rest race as one (module docstring).
 COUPLE_HEAD = 64
@@ -97,18 +98,54 @@ def _head_race_scores(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, t
     return torch.log(hv) - torch.log(-torch.log(u[:, :h])), ids, u[:, h:] if tail else None
 
 
-def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = None) -> list[int]:
+@dataclass(slots=True)
+class PendingPicks:
+    """:func:`coupled_picks` around a step's one download: the race has run (on a device its winners are queued on
+    the step's :class:`~spec_core.transfer.HostCopy`; on a CPU they are already on the host); :meth:`read` takes
+    them and draws the rows whose tail won."""
+
+    probs: torch.Tensor
+    ids: torch.Tensor
+    u_pick: torch.Tensor
+    host: tuple[list[int], list[bool]] | None = None
+    slot: int | None = None
+
+    def read(self, down: HostCopy) -> list[int]:
+        if self.host is not None:
+            picks, won = self.host
+        else:
+            packed = down[self.slot]
+            picks, won = [t for t, _ in packed], [bool(w) for _, w in packed]
+        return _with_tails(self.probs, self.ids, self.u_pick, list(picks), won)
+
+
+def queue_picks(probs: torch.Tensor, keys: torch.Tensor, down: HostCopy, head: int | None = None) -> PendingPicks:
     """The exact coupled draw of each row of ``probs [N, V]`` (rows sum to 1) under ``keys [N, 2]`` (int64, on the
-    probs' device), on the host: the head's winner, or where the tail's one racer is faster, the tail's inverse-CDF
-    pick (computed only for those rows: the tail wins about as often as it has mass). ``head``: default
-    :data:`COUPLE_HEAD`."""
+    probs' device), read after ``down``'s fetch: the head's winner, or where the tail's one racer is faster, the
+    tail's inverse-CDF pick (computed only for those rows, with a download of its own: the tail wins about as often
+    as it has mass). ``head``: default :data:`COUPLE_HEAD`."""
     hv, ids = probs.topk(min(head or COUPLE_HEAD, probs.shape[-1]), dim=-1)
     # The tail's mass as 1 - the head's (no pass over the vocabulary; off by the rows' rounding, ~1e-7). Where the
     # tail is in fact empty (under top-k) and its racer "wins" on that rounding, the check below keeps the head's.
     mass = (1.0 - hv.double().sum(-1)).clamp(min=0.0).float()
-    # on the host the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
-    race = _race_host if probs.device.type == "cpu" else _race_device
-    picks, tail_won, u_pick = race(keys, hv, ids, mass)
+    if probs.device.type == "cpu":  # the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
+        picks, won, u_pick = _race_host(keys, hv, ids, mass)
+        return PendingPicks(probs, ids, u_pick, host=(picks, won))
+    packed, u_pick = _race_device(keys, hv, ids, mass)
+    return PendingPicks(probs, ids, u_pick, slot=down.add(packed))
+
+
+def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = None) -> list[int]:
+    """:func:`queue_picks` on its own, on the host."""
+    down = HostCopy()
+    pending = queue_picks(probs, keys, down, head)
+    down.fetch()
+    return pending.read(down)
+
+
+def _with_tails(probs: torch.Tensor, ids: torch.Tensor, u_pick: torch.Tensor, picks: list[int],
+                tail_won: list[bool]) -> list[int]:
+    """``picks`` with each row whose tail's racer won replaced by the tail's inverse-CDF pick (where it has mass)."""
     tail_rows = [i for i, won in enumerate(tail_won) if won]
     if tail_rows:
         rows = to_device(tail_rows, probs.device, torch.long)
@@ -121,19 +158,18 @@ def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = No
 
 
 def _race_device(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
-                 ) -> tuple[list[int], list[bool], torch.Tensor]:
-    """:func:`coupled_picks`' race in torch, on the probabilities' device (one download): (head winners, whether the
-    tail's racer beat them, the tail picks' uniforms)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`queue_picks`' race in torch, on the probabilities' device: (head winner and whether the tail's racer
+    beat it ``[N, 2]``, the tail picks' uniforms), nothing downloaded."""
     scores, _, u = _head_race_scores(keys, hv, ids)
     best, at = scores.max(-1)
     tail_score = torch.log(mass) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
-    packed = to_host(torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1))
-    return [int(t) for t, _ in packed], [bool(w) for _, w in packed], u[:, 1]
+    return torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1), u[:, 1]
 
 
 def _race_host(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
                ) -> tuple[list[int], list[bool], torch.Tensor]:
-    """:func:`coupled_picks`' race on host tensors, in numpy: (head winners, whether the tail's racer beat them,
+    """:func:`queue_picks`' race on host tensors, in numpy: (head winners, whether the tail's racer beat them,
     the tail picks' uniforms)."""
     h = ids.shape[1]
     u = keyed_uniforms(keys, torch.cat([ids, _tail_ids(keys)], dim=1)).numpy()

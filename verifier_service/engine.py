@@ -221,10 +221,8 @@ class VerifierEngine:
 
         Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
         batch, per length group), one upload for tree K/V moves and, for sampled requests, their rows' settings
-        and chains up; and one download (:class:`~spec_core.transfer.HostCopy`) of every row's argmax where a
-        greedy or coupled request reads it, with the sampled requests' draws and chain verifications
-        (:mod:`verifier_service.target_rows`). Coupled races, sampled trees with siblings and logprobs add their
-        own."""
+        and chains up; and one download (:class:`~spec_core.transfer.HostCopy`, :meth:`_decisions`). A coupled row
+        whose tail won, sampled trees with siblings and logprobs add downloads of their own."""
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
@@ -246,22 +244,12 @@ class VerifierEngine:
         """The forward over ``items``, then each request's verification, K/V moves and finishing."""
         with self.backend.timer() as timer:  # CUDA events on a GPU: kernel time, not launch time
             logits = forward_items(self.backend, self.cache, items, self.config.group_overhead_tokens)
-        # One download for the step: every row's argmax where a deterministic request reads it, the sampled
-        # requests' plain draws and their chains' verification (target_rows).
-        down = HostCopy()
-        argmax_slot = down.add(argmax_rows(logits)) if any(w.seq.params.deterministic for w in work) else None
-        sampled = sampled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and not w.seq.params.deterministic], down)
-        down.fetch()
-        argmax = down[argmax_slot] if argmax_slot is not None else None
-        sampled.resolve(down)
+        argmax, sampled, coupled = self._decisions(logits, work, chosen)
         forward_s = timer.elapsed_s()
         self.metrics.forward_s += forward_s
         if self.drafter is not None:
             self.drafter.observe_verify_time(forward_s, sum(len(it.token_ids) for it in items))
         finished, moves = [], ([], [])
-        coupled = coupled_rows(logits, [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen))
-                                        if tree is not None and w.seq.params.coupled])
         for b, (w, tree) in enumerate(zip(work, chosen)):
             w.seq.stats.verify_s += forward_s
             if tree is None:
@@ -275,6 +263,20 @@ class VerifierEngine:
         for seq in finished:
             self._finish(seq)
         return finished
+
+    def _decisions(self, logits: torch.Tensor, work: list[ScheduledSeq], chosen: list[TokenTree | None]
+                   ) -> tuple[list | None, SampledRows, dict[str, list[int]]]:
+        """What the host needs to verify the step, in one download: every row's argmax where a greedy request reads
+        it, the sampled requests' plain draws and chains' verification, and the coupled requests' race winners
+        (:mod:`verifier_service.target_rows`)."""
+        down = HostCopy()
+        greedy = any(w.seq.params.deterministic and not w.seq.params.coupled for w in work)
+        argmax_slot = down.add(argmax_rows(logits)) if greedy else None
+        verifying = [(b, w.seq, tree) for b, (w, tree) in enumerate(zip(work, chosen)) if tree is not None]
+        sampled = sampled_rows(logits, [r for r in verifying if not r[1].params.deterministic], down)
+        coupled = coupled_rows(logits, [r for r in verifying if r[1].params.coupled], down)
+        down.fetch()
+        return down[argmax_slot] if argmax_slot is not None else None, sampled.resolve(down), coupled.resolve(down)
 
     def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int,
                  emitted_before: int, lent: bool = False) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_core.chain_verify import ChainRound, chain_outcomes, chain_results, is_chain
-from spec_core.coupling import coupled_picks, coupling_keys
+from spec_core.coupling import PendingPicks, coupling_keys, queue_picks
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import VERIFY, Sequence
 from spec_core.speculation import slot_positions
@@ -77,15 +77,16 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
     return out
 
 
-def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]], by_position: bool = True
-                 ) -> dict[str, list[int]]:
+def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy,
+                 by_position: bool = True) -> CoupledRows:
     """Every coupled request's draw at each row of its tree (``(b, seq, tree)`` as in :func:`sampled_rows`), by
-    request id, on the host: row 0 (the root) picks the token at position n = ``seq.num_tokens``, row i + 1 (node i,
-    at depth d) the one at n + d, each the exact race winner of :func:`spec_core.coupling.coupled_picks` under the
-    request's seed. The tree is then verified as a greedy one is, against these picks. Requests are grouped by
-    filters as in :func:`sampled_rows`; one upload of row indices and keys and one download of picks per group.
-    ``by_position=False`` is a NEGATIVE CONTROL (one noise for all of a request's tokens: biased)."""
-    out: dict[str, list[int]] = {}
+    request id, once ``down`` has fetched (:meth:`CoupledRows.resolve`): row 0 (the root) picks the token at
+    position n = ``seq.num_tokens``, row i + 1 (node i, at depth d) the one at n + d, each the exact race winner of
+    :func:`spec_core.coupling.queue_picks` under the request's seed. The tree is then verified as a greedy one is,
+    against these picks. Requests are grouped by filters as in :func:`sampled_rows`; one upload of row indices and
+    keys per group, the winners in the step's download. ``by_position=False`` is a NEGATIVE CONTROL (one noise for
+    all of a request's tokens: biased)."""
+    out = CoupledRows()
     groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
     for b, seq, tree in requests:
         groups.setdefault((seq.params.top_k > 0, seq.params.top_p < 1), []).append((b, seq, tree))
@@ -98,9 +99,22 @@ def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
             params.extend([seq.params] * (tree.num_nodes + 1))
         index = to_device([[b for b, _ in rows], [i for _, i in rows], *zip(*keys)], logits.device, torch.long)
         probs = request_probs(logits[index[0], index[1]][:, None], params)[:, 0]
-        picks = coupled_picks(probs, index[2:].T)
-        start = 0
-        for _, seq, tree in group:
-            out[seq.request_id] = picks[start : start + tree.num_nodes + 1]
-            start += tree.num_nodes + 1
+        sizes = [(seq.request_id, tree.num_nodes + 1) for _, seq, tree in group]
+        out.pending.append((sizes, queue_picks(probs, index[2:].T, down)))
     return out
+
+
+@dataclass(slots=True)
+class CoupledRows:
+    """A step's coupled draws, queued: :meth:`resolve` reads them (by request id) after the step's fetch."""
+
+    pending: list[tuple[list[tuple[str, int]], PendingPicks]] = field(default_factory=list)
+
+    def resolve(self, down: HostCopy) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for sizes, pending in self.pending:
+            picks, start = pending.read(down), 0
+            for request_id, n in sizes:
+                out[request_id] = picks[start : start + n]
+                start += n
+        return out
