@@ -14,7 +14,7 @@ from spec_core.coupling import keyed_uniforms, keys_tensor
 from spec_core.sampling import request_probs, saguaro_downweight, sample_from_probs, truncate_top_n
 from spec_core.select import argmax_rows, topk_rows
 from spec_core.sequence import DRAFT, DRAFT_LEAF, Sequence
-from spec_core.transfer import to_host
+from spec_core.transfer import to_device, to_host
 
 #: Draft tokens in a coupled request's race (:func:`race_ranking`): its picks, leaves and bonus candidates.
 RANK_HEAD = 32
@@ -43,7 +43,7 @@ def pick_rows(config: SSDConfig, seq: Sequence, logits: torch.Tensor, positions:
     if seq.params.coupled:
         ranked = race_ranking(seq, logits, positions)
         return [r[0] for r in ranked], None, ranked
-    uniforms = seq.uniforms_for(positions, 1, DRAFT)
+    uniforms = to_device(seq.uniforms_for(positions, 1, DRAFT), logits.device)
     n, vocab = config.proposal_top_n, logits.shape[-1]
     if not 0 < n < vocab:
         q = request_probs(logits[None], [seq.params])[0]
@@ -72,6 +72,7 @@ def pick_leaves(seq: Sequence, logits: torch.Tensor, spine: list[int], q: torch.
     if q is None:
         return [(t, None) for t in leaf_tokens(logits, spine, extra)]
     # One draw for every row's leaves: a row's inverse-CDF draw is its own arithmetic, whatever rows share the call.
-    drawn = to_host(sample_from_probs(q.repeat_interleave(extra, 0), seq.uniforms_for(positions, extra, DRAFT_LEAF)))
+    uniforms = to_device(seq.uniforms_for(positions, extra, DRAFT_LEAF), q.device)
+    drawn = to_host(sample_from_probs(q.repeat_interleave(extra, 0), uniforms))
     # each leaf keeps a view of its row (no copy), as the tree holds them until the bundle is sent
     return [(drawn[i * extra:(i + 1) * extra], row[None].expand(extra, -1)) for i, row in enumerate(q)]

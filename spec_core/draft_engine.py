@@ -27,7 +27,7 @@ from spec_core.packing import reconcile_tree_slots
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.select import argmax_rows, topk_rows
 from spec_core.sequence import DRAFT, Sequence
-from spec_core.transfer import to_host
+from spec_core.transfer import to_device, to_host
 from spec_core.tree import TokenTree
 from spec_core.tree_draft import DraftRow, draft_trees
 
@@ -109,14 +109,13 @@ class BatchDrafter:
                                             keys_tensor(seq.seed, [seq.num_tokens + depth] * w, logits.device))
             probs = None if all(greedy) else request_probs(logits, [s.params for s in sub])
             picks = topk_rows(logits[:, 0], width)[1] if root else argmax_rows(logits[:, :width])
-            qs: list[torch.Tensor | None] = []
-            for j, seq in enumerate(sub):
-                if greedy[j]:
-                    qs.append(None)
-                    continue
-                q = probs[j, :1].expand(width, -1) if root else probs[j, :width]
-                picks[j] = sample_from_probs(q, seq.uniforms_at(seq.num_tokens + depth, width, DRAFT))
-                qs.append(q)
+            drawn = [j for j, g in enumerate(greedy) if not g]
+            uniforms = to_device(torch.stack([sub[j].uniforms_at(sub[j].num_tokens + depth, width, DRAFT)
+                                              for j in drawn]), logits.device) if drawn else None  # one upload
+            qs: list[torch.Tensor | None] = [None] * len(sub)
+            for i, j in enumerate(drawn):
+                qs[j] = probs[j, :1].expand(width, -1) if root else probs[j, :width]
+                picks[j] = sample_from_probs(qs[j], uniforms[i])
             return list(zip(to_host(picks), qs))  # one download for the whole level
 
         return sample

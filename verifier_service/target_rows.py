@@ -65,7 +65,7 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
                 plain.append((seq, start))
             start += tree.num_nodes + 1
         if plain:
-            u = torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain])
+            u = to_device(torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain]), logits.device)
             drawn = sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u)
             out._plain.append(([seq.request_id for seq, _ in plain], down.add(drawn)))
     chains = [(seq, tree) for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match and is_chain(tree)]

@@ -175,3 +175,55 @@ def test_the_engines_replay_graphs_and_keep_their_tokens(dtype, toy_pair, device
                f"{graphs[0] == eager[0]}")
     if dtype == "float32":
         assert graphs[0] == eager[0] and graphs[0]["ar"] == graphs[0]["sd"]  # and SD is exact against AR
+
+
+#: Where a verifier step may synchronise with the host: the counted crossings, and the step timer's read of its end
+#: event (after the step's download, when the device is idle anyway).
+SYNC_ALLOWED = ("transfer.py", "timing.py")
+
+
+@pytest.mark.timeout(300)
+def test_engine_steps_synchronise_only_where_the_crossings_are_counted(toy_pair, device, gpu_report):
+    """Under torch's sync debug mode, SD steps over greedy, sampled and coupled requests together (the toy pair,
+    graphs on) synchronise with the host only in ``spec_core/transfer.py`` (the crossings the engine counts) and in
+    the step timer: a ``bool()``, ``int()``, ``.item()`` or an implicit copy anywhere else is a hidden sync, and the
+    test names its line. In a CPU dry run nothing synchronises and only the test's own code is checked."""
+    import warnings
+    from collections import Counter
+    from pathlib import Path
+
+    from spec_core.config import ModelConfig, SamplingParams
+    from spec_core.sequence import Sequence
+    from verifier_service.api import Generator
+
+    gen = Generator(*[ModelConfig(toy_pair[m], "float32", device) for m in ("target", "draft")], k=3)
+    engine = gen.engine("sd", 3)
+    params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_new_tokens=NEW, ignore_eos=True, coupled=False),
+              SamplingParams(temperature=0.8, seed=2, max_new_tokens=NEW, ignore_eos=True, coupled=True),
+              SamplingParams(temperature=0.8, max_new_tokens=NEW, ignore_eos=True)]
+
+    def run(tag: str) -> None:
+        for i, p in enumerate(params):
+            engine.add(Sequence(f"{tag}{i}", gen.tokenizer.encode(f"def f{i}(x):"), p))
+        engine.run()
+
+    run("warm")  # graphs captured, kernels loaded
+    warm_steps = engine.metrics.num_steps
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run("watched")
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    hidden = {at: n for at, n in where.items() if not at.startswith(SYNC_ALLOWED)}
+    gpu_report(f"syncs of {engine.metrics.num_steps - warm_steps} SD steps on {device} (greedy, sampled, coupled together): "
+               f"{sum(where.values())} in all, by line {dict(where.most_common(8))}; hidden {hidden or 'none'}")
+    if cuda:
+        assert where, "sync debug mode reported nothing: the check is not watching"
+    assert not hidden, f"hidden host syncs (file:line -> count): {hidden}"
