@@ -40,11 +40,26 @@ def crossings() -> Crossings:
 
 def to_device(data: Sequence | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
               ) -> torch.Tensor:
-    """One upload: host values (a nested list, or a host tensor) → a tensor on ``device``."""
+    """One upload: host values (a nested list, or a host tensor) → a tensor on ``device``. To a CUDA device the
+    copy goes from pinned memory without waiting: an upload from pageable memory would wait for every kernel queued
+    before it (a hidden synchronisation in the middle of a step). Stream order keeps its readers after it. Not while
+    a CUDA graph is captured: the graph would keep reading a host buffer that is reused."""
     crossings().uploads += 1
+    if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+        return _pinned(host).to(device=device, dtype=dtype or host.dtype, non_blocking=True)
     if isinstance(data, torch.Tensor):
         return data.to(device=device, dtype=dtype or data.dtype)
     return torch.tensor(data, dtype=dtype, device=device)
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of ``host`` (torch's caching host allocator keeps the block until the copy is done); the tensor
+    itself where pinning is refused (a locked-memory limit), whose copy then waits."""
+    try:
+        return host.pin_memory()
+    except RuntimeError:
+        return host
 
 
 def to_host(t: torch.Tensor) -> list:
