@@ -113,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = Generator(target, draft if args.mode == "sd" else None, k=args.k, adaptive=not args.fixed_k)
     extra: dict = {}
     if args.mode == "ssd":
-        result, extra = _generate_ssd(gen, draft.path, prompt, params, args.k, adaptive=not args.fixed_k)
+        result, extra = _generate_ssd(gen, draft, prompt, params, args.k, adaptive=not args.fixed_k)
     else:
         result = gen.generate(prompt, params, mode=args.mode)
     if args.json:
@@ -167,10 +167,11 @@ def _batch_config(args: argparse.Namespace, target, draft, on_ray: bool):
         raise CliError(str(exc)) from None
 
 
-def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: bool = True):
+def _generate_ssd(gen, draft, prompt: str, params, k: int, adaptive: bool = True):
     """One request through local two-process SSD (verifier here on core 0, drafter process on core 1), with adaptive
-    K up to ``k`` as ``ssd serve`` runs it (``adaptive=False``: K every round)."""
-    from cluster.local_ssd import LocalSSD, generate_ssd
+    K up to ``k`` as ``ssd serve`` runs it (``adaptive=False``: K every round); ``draft``: its ModelConfig (its
+    dtype and the runner's CPU options reach the drafter process)."""
+    from cluster.local_ssd import LocalPlacement, LocalSSD, generate_ssd
     from spec_core.settings import ServiceConfig
     from verifier_service.api import GenerationResult
 
@@ -179,8 +180,9 @@ def _generate_ssd(gen, draft_path: str, prompt: str, params, k: int, adaptive: b
     ids = chat.encode(gen.tokenizer, prompt)
     gen.check_token_ids(ids)
     pair = gen.pair
-    config = ServiceConfig(draft=draft_path, k=k, fixed_k=not adaptive)
-    with LocalSSD(pair.target, config, eos_ids=pair.eos_ids) as local:
+    config = ServiceConfig(draft=draft.path, draft_dtype=draft.dtype, k=k, fixed_k=not adaptive)
+    place = LocalPlacement(draft_pad_rows=draft.pad_rows, draft_cpu_kernels=draft.cpu_kernels)
+    with LocalSSD(pair.target, config, place, eos_ids=pair.eos_ids) as local:
         seq, stats, ssd = generate_ssd(local, ids, params)
     ssd["plain_round_fraction"] = stats.plain_round_fraction or 0.0  # ssd bench's field
     text = chat.decode(pair.tokenizer, seq.output_ids)
