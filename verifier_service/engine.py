@@ -27,7 +27,7 @@ from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.select import argmax_rows
 from spec_core.sequence import VERIFY, Sequence
-from spec_core.transfer import HostCopy, crossings, to_device, to_host
+from spec_core.transfer import Crossings, HostCopy, crossings, to_device, to_host
 from spec_core.tree import (
     TokenTree,
     greedy_match_verify_tree_path,
@@ -227,16 +227,15 @@ class VerifierEngine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        c0, d0, emitted_before = crossings().total, crossings().downloads, self.metrics.tokens_emitted
+        emitted_before = self.metrics.tokens_emitted
         trees, lent = self._propose(work)
-        c_propose, d_propose = crossings().total - c0, crossings().downloads - d0
+        mark = replace(crossings())  # what crosses from here on is the verifier's own
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
         with self.lending.lent() if lent else contextlib.nullcontext(), self.backend.kernel_threads():
             finished = self._verify_step(work, items, chosen)
-        self.metrics.last_step_downloads = crossings().downloads - d0 - d_propose
-        self._account(work, items, t_step, crossings().total - c0 - c_propose, emitted_before, lent)
+        self._account(work, items, t_step, mark, emitted_before, lent)
         return finished
 
     def _verify_step(self, work: list[ScheduledSeq], items: list[WorkItem], chosen: list[TokenTree | None]
@@ -278,15 +277,17 @@ class VerifierEngine:
         down.fetch()
         return down[argmax_slot] if argmax_slot is not None else None, sampled.resolve(down), coupled.resolve(down)
 
-    def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, crossed: int,
+    def _account(self, work: list[ScheduledSeq], items: list[WorkItem], t_step: float, mark: Crossings,
                  emitted_before: int, lent: bool = False) -> None:
         """Metrics for a finished step, and its cost for the planner (``lent``: it ran on both cores)."""
         m = self.metrics
         m.num_steps += 1
         m.batch_sizes.append(len(work))
         m.kv_usage.append(self.blocks.usage)
-        m.crossings += crossed
-        m.last_step_crossings = crossed
+        now = crossings()
+        m.last_step_crossings = now.total - mark.total
+        m.last_step_downloads = now.downloads - mark.downloads
+        m.crossings += m.last_step_crossings
         step_s = time.perf_counter() - t_step
         m.step_s += step_s
         # The whole step: drafting, tree handling and rejection cost what K costs. Decode steps only: a prefill
