@@ -63,7 +63,9 @@ def sd_server(toy_pair):
 def ssd_server(toy_pair):
     drafter = DrafterServer(DrafterServerConfig(ModelConfig(toy_pair["draft"]), SSDConfig(k=2)))
     drafter.start()
-    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]), spec=SpeculationConfig(k=2),
+    # K fixed: the counters' agreement is the point, not the planner (which may go plain on a loaded machine)
+    server = VerifierServer(VerifierServerConfig(ModelConfig(toy_pair["target"]),
+                                                 spec=SpeculationConfig(k=2, adaptive_k=False),
                                                  stats_log_interval_s=None))
     server.start(drafter.address)
     yield server
