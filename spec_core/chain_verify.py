@@ -14,23 +14,11 @@ one copy for the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from spec_core.sampling import normalise, sample_from_probs
 from spec_core.transfer import to_device, to_host
-from spec_core.tree import TokenTree
-
-
-@dataclass(slots=True)
-class ChainRound:
-    """One request's round: its target rows ``probs [n+1, V]``, its chain (``draft_probs`` set, optional ``tail``)
-    and its ``uniforms`` (at least n + 1, n + 2 with a tail)."""
-
-    probs: torch.Tensor
-    tree: TokenTree
-    uniforms: torch.Tensor
+from spec_core.tree import SampledRound, TokenTree
 
 
 def is_chain(tree: TokenTree) -> bool:
@@ -38,19 +26,19 @@ def is_chain(tree: TokenTree) -> bool:
     return tree.draft_probs is not None and all(par == i - 1 for i, par in enumerate(tree.parents))
 
 
-def verify_chains(rounds: list[ChainRound]) -> list[tuple[list[int], list[int]]]:
+def verify_chains(rounds: list[SampledRound]) -> list[tuple[list[int], list[int]]]:
     """(emitted tokens, accepted node indices) of every round, as :func:`stochastic_verify_tree_path` gives them."""
     if not rounds:
         return []
     return chain_results(rounds, to_host(chain_outcomes(rounds)))
 
 
-def chain_results(rounds: list[ChainRound], outcomes: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+def chain_results(rounds: list[SampledRound], outcomes: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     """(emitted tokens, accepted node indices) of every round from its downloaded (tests passed, last token)."""
     return [_emitted(r.tree, t, d) for r, (t, d) in zip(rounds, outcomes)]
 
 
-def chain_outcomes(rounds: list[ChainRound]) -> torch.Tensor:
+def chain_outcomes(rounds: list[SampledRound]) -> torch.Tensor:
     """Every round's (tests passed, last token) ``[G, 2]``, on the device (nothing downloaded)."""
     g = len(rounds)
     tokens, uniforms, tests = _upload(rounds)
@@ -71,7 +59,7 @@ def chain_outcomes(rounds: list[ChainRound]) -> torch.Tensor:
     return torch.stack([passed, drawn], 1)
 
 
-def _upload(rounds: list[ChainRound]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _upload(rounds: list[SampledRound]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids ``[G, W-1]``, uniforms ``[G, W]`` and test counts ``[G]`` on the device, in one copy (W: the most
     tests plus one)."""
     g = len(rounds)
@@ -90,7 +78,7 @@ def _tokens(tree: TokenTree) -> list[int]:
     return list(tree.token_ids) + ([tree.tail[0]] if tree.tail is not None else [])
 
 
-def _rows(rounds: list[ChainRound], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(rounds: list[SampledRound], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target rows ``[G, width, V]`` and draft rows ``[G, width - 1, V]`` (a tail's q after its chain's), padded
     with zero rows."""
     vocab = rounds[0].probs.shape[-1]

@@ -17,17 +17,13 @@ tokens allowed) from the same q satisfies it; sampling without replacement would
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from spec_core.rejection import PLACEHOLDER, RejectionOutput
 from spec_core.sampling import normalise, sample_from_probs
-from spec_core.transfer import to_device, to_host
-
-logger = logging.getLogger(__name__)
+from spec_core.transfer import to_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +96,20 @@ class TokenTree:
         return cls(list(range(-1, len(token_ids) - 1)), list(token_ids), draft_probs)
 
 
+@dataclass(slots=True)
+class SampledRound:
+    """One sampled request's round to verify: its target rows ``probs [N+1, V]``, its tree (``draft_probs`` set)
+    and its ``uniforms`` (at least N + 1, N + 2 with a tail), consumed as :func:`stochastic_verify_tree_path` does."""
+
+    probs: torch.Tensor
+    tree: TokenTree
+    uniforms: torch.Tensor
+
+
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) row-wise, falling back to p where that is all zero (p <= q everywhere)."""
     res = normalise((p - q).clamp_min(0.0))
-    empty = res.sum(-1, keepdim=True) <= 0
-    if bool(empty.any()):
-        logger.debug("all-zero residual in %d row(s); falling back to p", int(empty.sum()))
-    return torch.where(empty, p, res)
+    return torch.where(res.sum(-1, keepdim=True) <= 0, p, res)
 
 
 def greedy_verify_tree(target_logits: torch.Tensor, tree: TokenTree) -> list[int]:
@@ -216,77 +219,6 @@ def greedy_match_verify_tree_path(
     row = target_probs[path[-1] + 1 if path else 0]
     last = int(sample_from_probs(row[None], uniform.view(1))[0])
     return [tree.token_ids[i] for i in path] + [last], path
-
-
-def _child_table(parents: Sequence[int], device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """The tree's shape for batched verification: ``table [N+1, fan]`` (row ``i + 1`` lists node i's children, row 0
-    the root's, padded with -1), the largest fan-out ``fan`` (at least 1) and the tree's depth."""
-    shape = TokenTree(list(parents), [0] * len(parents))
-    kids = shape.child_lists()
-    fan = max(1, max(len(k) for k in kids))
-    table = to_device([k + [-1] * (fan - len(k)) for k in kids], device, torch.long)
-    return table, fan, max(shape.depths(), default=0)
-
-
-def stochastic_verify_tree_batch(
-    target_probs: torch.Tensor,
-    parents: Sequence[int],
-    token_ids: torch.Tensor,
-    draft_probs: torch.Tensor,
-    uniforms: torch.Tensor,
-    sibling_recursion: bool = True,
-) -> RejectionOutput:
-    """:func:`stochastic_verify_tree` for B trees of one shape, vectorised over B; same uniform consumption, so it
-    gives the same tokens row by row.
-
-    Args: ``target_probs [B, N+1, V]``, ``parents`` (shared), ``token_ids [B, N]``, ``draft_probs [B, N, V]``,
-    ``uniforms [B, N+1]``. Returns ``token_ids [B, D+1]`` (D = tree depth, padded with -1) and ``num_accepted [B]``.
-    """
-    bsz, n1, _ = target_probs.shape
-    dev = target_probs.device
-    table, fan, depth = _child_table(parents, dev)
-    rows = torch.arange(bsz, device=dev)
-    out = torch.full((bsz, depth + 1), PLACEHOLDER, dtype=torch.long, device=dev)
-    num_acc = torch.zeros(bsz, dtype=torch.long, device=dev)
-    counter = torch.zeros(bsz, dtype=torch.long, device=dev)
-    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    cur = torch.full((bsz,), -1, dtype=torch.long, device=dev)
-    p = target_probs[:, 0]
-    for step in range(depth + 1):
-        p_orig = p
-        moved = torch.zeros_like(done)
-        tested = torch.zeros_like(done)
-        q_last = torch.zeros_like(p)
-        nxt = cur.clone()
-        slots = table[cur + 1]
-        for j in range(fan):
-            c = slots[:, j]
-            active = ~done & ~moved & (c >= 0)
-            if not bool(active.any()):
-                break
-            cc = c.clamp_min(0)
-            x = token_ids[rows, cc]
-            q = draft_probs[rows, cc]
-            acc = active & (uniforms[rows, counter] * q[rows, x] < p[rows, x])  # p stays p_orig without recursion
-            counter = counter + active.long()
-            moved |= acc
-            nxt = torch.where(acc, c, nxt)
-            rej = active & ~acc
-            if sibling_recursion:
-                p = torch.where(rej[:, None], _residual(p, q), p)
-            else:
-                q_last = torch.where(rej[:, None], q, q_last)
-                tested |= rej
-        stop = ~done & ~moved
-        dist = p if sibling_recursion else torch.where(tested[:, None], _residual(p_orig, q_last), p_orig)
-        last = sample_from_probs(dist, uniforms[rows, counter.clamp(max=n1 - 1)])
-        taken = token_ids[rows, nxt.clamp_min(0)] if n1 > 1 else out[:, step]
-        out[:, step] = torch.where(stop, last, torch.where(moved, taken, out[:, step]))
-        num_acc += moved.long()
-        done |= stop
-        cur = nxt
-        p = torch.where(moved[:, None], target_probs[rows, cur + 1], p)
-    return RejectionOutput(out, num_acc)
 
 
 def verify_trees(

@@ -54,6 +54,16 @@ class DrafterDown:
     def close(self) -> None: ...
 
 
+def random_dists(gen: torch.Generator, k: int, vocab: int, sparse: bool = False) -> torch.Tensor:
+    """``k`` random distributions over ``vocab`` tokens, peaked (cubed uniforms); ``sparse``: about half the tokens
+    of each row at zero (token 0 never), so residuals and draws meet zero-mass tokens."""
+    x = torch.rand(k, vocab, generator=gen) ** 3
+    if sparse:
+        x = x * (torch.rand(k, vocab, generator=gen) > 0.5)
+        x[:, 0] += 1e-3
+    return x / x.sum(-1, keepdim=True)
+
+
 def tiny_config(family: str, vocab_size: int = 256, **overrides):
     """A random tiny config; ``initializer_range`` 0.2 keeps argmax ties away (see the Foundation issue)."""
     from transformers import LlamaConfig, Qwen3Config

@@ -12,7 +12,8 @@ import time
 
 from drafter_service.ssd_drafter import SSDDrafter
 from spec_core.sampling import request_probs
-from spec_core.tree import TokenTree, stochastic_verify_tree_path
+from spec_core.tree import TokenTree
+from spec_core.tree_batch import tree_outcomes
 from verifier_service.ssd_proposer import SSDProposer
 from verifier_service.target_rows import coupled_rows
 
@@ -100,10 +101,9 @@ class GreedyMatchBackupProposer(SSDProposer):
 
 def without_sibling_recursion(monkeypatch) -> None:
     """NEGATIVE CONTROL: the engine tests every sibling of a sampled tree against the original target row (biased)."""
-    from verifier_service import engine
+    from verifier_service import target_rows
 
-    monkeypatch.setattr(engine, "stochastic_verify_tree_path",
-                        functools.partial(stochastic_verify_tree_path, sibling_recursion=False))
+    monkeypatch.setattr(target_rows, "tree_outcomes", functools.partial(tree_outcomes, sibling_recursion=False))
 
 
 def coupling_without_position(monkeypatch) -> None:

@@ -6,29 +6,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_dists
 
-from spec_core.chain_verify import ChainRound, is_chain, verify_chains
+from spec_core.chain_verify import is_chain, verify_chains
 from spec_core.transfer import crossings
-from spec_core.tree import TokenTree, stochastic_verify_tree_path
+from spec_core.tree import SampledRound, TokenTree, stochastic_verify_tree_path
 
 V = 12
 
 
-def _round(gen: torch.Generator, n: int, tail: bool, sparse: bool) -> ChainRound:
+def _round(gen: torch.Generator, n: int, tail: bool, sparse: bool) -> SampledRound:
     """A chain of ``n`` nodes drawn from its q rows, target rows ``p`` near q (so some nodes pass), random
     uniforms; ``sparse``: rows with zeros, so residuals and draws meet zero-mass tokens."""
-    def rows(k: int) -> torch.Tensor:
-        x = torch.rand(k, V, generator=gen) ** 3
-        if sparse:
-            x = x * (torch.rand(k, V, generator=gen) > 0.5)
-            x[:, 0] += 1e-3
-        return x / x.sum(-1, keepdim=True)
-
-    q = rows(n + 1)
-    p = 0.5 * q[: n + 1] + 0.5 * rows(n + 1)
+    q = random_dists(gen, n + 1, V, sparse)
+    p = 0.5 * q[: n + 1] + 0.5 * random_dists(gen, n + 1, V, sparse)
     toks = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(n + 1)]
     tree = TokenTree(list(range(-1, n - 1)), toks[:n], q[:n], tail=(toks[n], q[n]) if tail else None)
-    return ChainRound(p, tree, torch.rand(n + 2, generator=gen))
+    return SampledRound(p, tree, torch.rand(n + 2, generator=gen))
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -47,7 +41,7 @@ def test_the_check_sees_a_uniform_out_of_order():
     """Negative control: the same rounds with each request's uniforms reversed verify differently."""
     gen = torch.Generator().manual_seed(4)
     rounds = [_round(gen, 3, False, False) for _ in range(30)]
-    flipped = [ChainRound(r.probs, r.tree, r.uniforms.flip(0)) for r in rounds]
+    flipped = [SampledRound(r.probs, r.tree, r.uniforms.flip(0)) for r in rounds]
     assert verify_chains(flipped) != [stochastic_verify_tree_path(r.probs, r.tree, r.uniforms) for r in rounds]
 
 

@@ -160,7 +160,8 @@ def test_mixed_sampling_params_in_one_batch(tiny_models):
 HOT_PATH_MODULES = ("verifier_service/engine.py", "verifier_service/ssd_proposer.py", "spec_core/draft_engine.py",
                     "drafter_service/ssd_drafter.py", "spec_core/sampling.py", "spec_core/tree.py",
                     "spec_core/packing.py", "spec_core/runner.py", "spec_core/ngram.py", "spec_core/kv_cache.py",
-                    "spec_core/tree_draft.py", "spec_core/chain_verify.py", "verifier_service/target_rows.py")
+                    "spec_core/tree_draft.py", "spec_core/chain_verify.py", "spec_core/tree_batch.py",
+                    "verifier_service/target_rows.py")
 FORBIDDEN = (".item()", ".tolist()", ".cpu()", "torch.tensor(")
 
 
@@ -246,10 +247,11 @@ def test_host_copy_brings_every_result_down_in_one_download():
     assert crossings().downloads == before + 1  # nothing queued: nothing crosses
 
 
-def test_a_mixed_step_downloads_once_and_keeps_every_requests_tokens(tiny_models):
+@pytest.mark.parametrize("branching", [1, 2])
+def test_a_mixed_step_downloads_once_and_keeps_every_requests_tokens(tiny_models, branching):
     """Greedy and seeded sampled requests in one SD batch, plain rounds among them at the end: each verifier step
-    downloads once (the argmaxes, the draws and the chains' outcomes together), greedy output is the target's own,
-    and each sampled request's tokens are those it gets alone."""
+    downloads once (the argmaxes, the draws and the chains' or sibling trees' outcomes together), greedy output is
+    the target's own, and each sampled request's tokens are those it gets alone."""
     from spec_core.transfer import crossings
 
     target, draft = ModelRunner(tiny_models["llama"]), ModelRunner(tiny_models["llama-draft"])
@@ -259,7 +261,7 @@ def test_a_mixed_step_downloads_once_and_keeps_every_requests_tokens(tiny_models
     prompts = [[(7 * i + j) % 50 + 3 for j in range(6)] for i in range(6)]
 
     def run(indices):
-        engine = make_engine(target, draft, k=3, num_blocks=512)
+        engine = make_engine(target, draft, k=3, branching=branching, num_blocks=512)
         seqs = [Sequence(f"r{i}", prompts[i], params[i]) for i in indices]
         for s in seqs:
             engine.add(s)
@@ -289,25 +291,28 @@ def test_sampled_rows_equal_the_per_request_computation():
     from verifier_service.target_rows import sampled_rows
 
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 3, 50, generator=gen) * 4
+    logits = torch.randn(6, 4, 50, generator=gen) * 4
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.3, top_p=0.9, seed=2),
-              SamplingParams(temperature=0.5, top_k=7, seed=3), SamplingParams(temperature=0.8, seed=4)]
+              SamplingParams(temperature=0.5, top_k=7, seed=3), SamplingParams(temperature=0.8, seed=4),
+              SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.9, top_k=9, seed=6)]
     seqs = [Sequence(f"r{i}", [1, 2, 3 + i], p) for i, p in enumerate(params)]
-    q = torch.softmax(torch.randn(2, 50, generator=gen), -1)
-    trees = [TokenTree([], [], None), TokenTree([-1, 0], [4, 9], q), TokenTree([], [], None),
-             TokenTree([-1], [4], q[:1])]
+    q = torch.softmax(torch.randn(3, 50, generator=gen), -1)
+    trees = [TokenTree([], [], None), TokenTree([-1, 0], [4, 9], q[:2]), TokenTree([], [], None),
+             TokenTree([-1], [4], q[:1]), TokenTree([-1, -1, 0], [4, 4, 7], q), TokenTree([-1, -1], [3, 5], q[:2])]
     down = HostCopy()
     out = sampled_rows(logits, [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))], down)
     before = crossings().downloads
     down.fetch()
     out.resolve(down)
-    assert crossings().downloads == before + 1  # the draws and the chains' outcomes in one download
-    assert set(out.picks) == {"r0", "r2"} and set(out.verified) == {"r1", "r3"}
+    assert crossings().downloads == before + 1  # the draws and the trees' outcomes in one download
+    assert set(out.picks) == {"r0", "r2"} and set(out.verified) == {"r1", "r3", "r4", "r5"}
     for b, (s, t) in enumerate(zip(seqs, trees)):
         alone = request_probs(logits[b, : t.num_nodes + 1][None], [s.params])[0]
         assert torch.equal(out.probs[s.request_id], alone)
+        u = s.uniforms_at(s.num_tokens, t.num_nodes + 1, VERIFY)
         if not t.num_nodes:
-            u = s.uniforms_at(s.num_tokens, 1, VERIFY)
             assert [out.picks[s.request_id]] == stochastic_verify_tree_path(alone, t, u)[0]
+        else:
+            assert out.verified[s.request_id] == stochastic_verify_tree_path(alone, t, u)
     control = sampled_rows(logits.flip(0), [(b, s, t) for b, (s, t) in enumerate(zip(seqs, trees))], HostCopy())
     assert not torch.equal(control.probs["r0"], out.probs["r0"])  # the rows really are each request's own

@@ -15,9 +15,9 @@ from spec_core.tree import (
     TokenTree,
     greedy_verify_tree,
     stochastic_verify_tree,
-    stochastic_verify_tree_batch,
     verify_trees,
 )
+from spec_core.tree_batch import stochastic_verify_tree_batch
 
 VOCAB = 8
 FANOUT = 3
@@ -266,7 +266,6 @@ def test_tree_distribution_on_small_model(tmp_path):
 
     from spec_core.runner import ModelRunner
     from spec_core.sampling import logits_to_probs
-    from spec_core.tree import stochastic_verify_tree_batch
 
     vocab = 32
     target = ModelRunner(save_tiny_model(tmp_path / "t", "llama", 21, vocab_size=vocab))

@@ -26,14 +26,9 @@ from spec_core.config import SAMPLING_RULES
 from spec_core.metrics import DecodeStats
 from spec_core.packing import WorkItem, forward_items, reconcile_tree_slots
 from spec_core.select import argmax_rows
-from spec_core.sequence import VERIFY, Sequence
+from spec_core.sequence import Sequence
 from spec_core.transfer import Crossings, HostCopy, crossings, to_device, to_host
-from spec_core.tree import (
-    TokenTree,
-    greedy_match_verify_tree_path,
-    greedy_verify_tree_path,
-    stochastic_verify_tree_path,
-)
+from spec_core.tree import TokenTree, greedy_match_verify_tree_path, greedy_verify_tree_path
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from verifier_service.target_rows import SampledRows, coupled_rows, sampled_rows
 
@@ -190,13 +185,9 @@ class VerifierEngine:
             return greedy_verify_tree_path(argmax, tree)
         if seq.request_id in sampled.picks:
             return [sampled.picks[seq.request_id]], []
-        if seq.request_id in sampled.verified:  # a chain, verified with the step's others
+        if seq.request_id in sampled.verified:  # a tree, verified on the device with the step's others
             return sampled.verified[seq.request_id]
-        probs = sampled.probs[seq.request_id]
-        if tree.greedy_match:
-            return greedy_match_verify_tree_path(probs, tree, seq.uniforms(1))
-        uniforms = seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY)
-        return stochastic_verify_tree_path(probs, tree, uniforms)
+        return greedy_match_verify_tree_path(sampled.probs[seq.request_id], tree, seq.uniforms(1))  # a control
 
     def _propose(self, work: list[ScheduledSeq]) -> tuple[dict[str, TokenTree], bool]:
         """Trees for the requests that have caught up (none in AR mode), timed on the requests they serve, and
@@ -221,8 +212,8 @@ class VerifierEngine:
 
         Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
         batch, per length group), one upload for tree K/V moves and, for sampled requests, their rows' settings
-        and chains up; and one download (:class:`~spec_core.transfer.HostCopy`, :meth:`_decisions`). A coupled row
-        whose tail won, sampled trees with siblings and logprobs add downloads of their own."""
+        and trees up; and one download (:class:`~spec_core.transfer.HostCopy`, :meth:`_decisions`). A coupled row
+        whose tail won and logprobs add downloads of their own."""
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
@@ -266,7 +257,7 @@ class VerifierEngine:
     def _decisions(self, logits: torch.Tensor, work: list[ScheduledSeq], chosen: list[TokenTree | None]
                    ) -> tuple[list | None, SampledRows, dict[str, list[int]]]:
         """What the host needs to verify the step, in one download: every row's argmax where a greedy request reads
-        it, the sampled requests' plain draws and chains' verification, and the coupled requests' race winners
+        it, the sampled requests' plain draws and trees' verification, and the coupled requests' race winners
         (:mod:`verifier_service.target_rows`)."""
         down = HostCopy()
         greedy = any(w.seq.params.deterministic and not w.seq.params.coupled for w in work)

@@ -7,28 +7,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_core.chain_verify import ChainRound, chain_outcomes, chain_results, is_chain
+from spec_core.chain_verify import chain_outcomes, chain_results, is_chain
 from spec_core.coupling import PendingPicks, coupling_keys, queue_picks
 from spec_core.sampling import request_probs, sample_from_probs
 from spec_core.sequence import VERIFY, Sequence
 from spec_core.speculation import slot_positions
 from spec_core.transfer import HostCopy, to_device
-from spec_core.tree import TokenTree
+from spec_core.tree import SampledRound, TokenTree
+from spec_core.tree_batch import tree_outcomes, tree_results
 
 
 @dataclass(slots=True)
 class SampledRows:
     """A step's sampled requests: each one's target probabilities ``[N+1, V]`` (by request id), for those with
-    nothing to verify (a plain round) the token already drawn, and for those with a chain its verification
-    (emitted tokens, accepted nodes; :func:`spec_core.chain_verify.chain_outcomes`, the whole step's at once).
-    ``picks`` and ``verified`` are filled by :meth:`resolve`, once the step's :class:`HostCopy` has fetched."""
+    nothing to verify (a plain round) the token already drawn, and for those with a tree its verification
+    (emitted tokens, accepted nodes; the whole step's chains at once by :func:`spec_core.chain_verify.chain_outcomes`,
+    its other trees by :func:`spec_core.tree_batch.tree_outcomes`). ``picks`` and ``verified`` are filled by
+    :meth:`resolve`, once the step's :class:`HostCopy` has fetched."""
 
     probs: dict[str, torch.Tensor] = field(default_factory=dict)
     picks: dict[str, int] = field(default_factory=dict)
     verified: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
-    #: (request ids, slot) of each group's plain draws, and (request ids, rounds, slot) of the chains.
+    #: (request ids, slot) of each group's plain draws, (request ids, rounds, slot) of the chains, (request ids,
+    #: slot) of the other trees.
     _plain: list[tuple[list[str], int]] = field(default_factory=list)
-    _chains: tuple[list[str], list[ChainRound], int] | None = None
+    _chains: tuple[list[str], list[SampledRound], int] | None = None
+    _trees: tuple[list[str], int] | None = None
 
     def resolve(self, down: HostCopy) -> SampledRows:
         """Read the draws and the chains' outcomes from ``down`` (fetched)."""
@@ -37,6 +41,9 @@ class SampledRows:
         if self._chains is not None:
             ids, rounds, slot = self._chains
             self.verified.update(zip(ids, chain_results(rounds, down[slot])))
+        if self._trees is not None:
+            ids, slot = self._trees
+            self.verified.update(zip(ids, tree_results(down[slot])))
         return self
 
 
@@ -47,8 +54,8 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
     a draw per request (int4 at batch 16, T = 0.8: ITL 107.3 → 105.1 ms). Each row's arithmetic is its own, so the
     values are those of the per-request calls (requests are grouped by which top-k/top-p filters they use, since
     a filter runs on every row of a call); a plain round's draw uses its verification uniform, as
-    :func:`stochastic_verify_tree_path` does for an empty tree. The draws and the chains' outcomes are queued on
-    ``down``: :meth:`SampledRows.resolve` reads them after its fetch."""
+    :func:`stochastic_verify_tree_path` does for an empty tree (its uniforms and row indices cross up together). The
+    draws and the trees' outcomes are queued on ``down``: :meth:`SampledRows.resolve` reads them after its fetch."""
     out = SampledRows()
     groups: dict[tuple[bool, bool], list[tuple[int, Sequence, TokenTree]]] = {}
     for b, seq, tree in requests:  # a filter applied to a whole call (top-k 0 or top-p 1 rows too) may round them
@@ -65,16 +72,25 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
                 plain.append((seq, start))
             start += tree.num_nodes + 1
         if plain:
-            u = to_device(torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain]), logits.device)
-            drawn = sample_from_probs(probs[to_device([i for _, i in plain], logits.device, torch.long)], u)
+            up = to_device(torch.cat([seq.uniforms_at(seq.num_tokens, 1, VERIFY) for seq, _ in plain]
+                                     + [torch.as_tensor([float(i) for _, i in plain])]), logits.device, torch.float32)
+            drawn = sample_from_probs(probs[up[len(plain):].long()], up[: len(plain)])
             out._plain.append(([seq.request_id for seq, _ in plain], down.add(drawn)))
-    chains = [(seq, tree) for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match and is_chain(tree)]
-    if chains:
-        rounds = [ChainRound(out.probs[seq.request_id], tree,
-                             seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
-                  for seq, tree in chains]
-        out._chains = ([seq.request_id for seq, _ in chains], rounds, down.add(chain_outcomes(rounds)))
+    _queue_trees(out, requests, down)
     return out
+
+
+def _queue_trees(out: SampledRows, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy) -> None:
+    """Queue the verification of every sampled tree on ``down``: the chains in one batch, the others in another."""
+    rounds = {seq.request_id: SampledRound(out.probs[seq.request_id], tree, seq.uniforms_at(
+        seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
+        for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match}
+    chains = [i for i, r in rounds.items() if is_chain(r.tree)]
+    trees = [i for i, r in rounds.items() if not is_chain(r.tree)]
+    if chains:
+        out._chains = (chains, [rounds[i] for i in chains], down.add(chain_outcomes([rounds[i] for i in chains])))
+    if trees:
+        out._trees = (trees, down.add(tree_outcomes([rounds[i] for i in trees])))
 
 
 def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy,

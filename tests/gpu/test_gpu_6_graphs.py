@@ -183,9 +183,10 @@ SYNC_ALLOWED = ("transfer.py", "timing.py")
 
 
 @pytest.mark.timeout(300)
-def test_engine_steps_synchronise_only_where_the_crossings_are_counted(toy_pair, device, gpu_report):
+@pytest.mark.parametrize("branching", [1, 2])
+def test_engine_steps_synchronise_only_where_the_crossings_are_counted(toy_pair, device, gpu_report, branching):
     """Under torch's sync debug mode, SD steps over greedy, sampled and coupled requests together (the toy pair,
-    graphs on) synchronise with the host only in ``spec_core/transfer.py`` (the crossings the engine counts) and in
+    graphs on; chains, and trees of two branches at ``branching=2``) synchronise with the host only in ``spec_core/transfer.py`` (the crossings the engine counts) and in
     the step timer: a ``bool()``, ``int()``, ``.item()`` or an implicit copy anywhere else is a hidden sync, and the
     test names its line. In a CPU dry run nothing synchronises and only the test's own code is checked."""
     import warnings
@@ -193,11 +194,15 @@ def test_engine_steps_synchronise_only_where_the_crossings_are_counted(toy_pair,
     from pathlib import Path
 
     from spec_core.config import ModelConfig, SamplingParams
+    from spec_core.draft_engine import BatchDrafter, DraftConfig
     from spec_core.sequence import Sequence
     from verifier_service.api import Generator
+    from verifier_service.engine_builder import EnginePlan, build_engine
 
     gen = Generator(*[ModelConfig(toy_pair[m], "float32", device) for m in ("target", "draft")], k=3)
-    engine = gen.engine("sd", 3)
+    draft = BatchDrafter(gen.pair.draft, DraftConfig(k=3, branching=branching, num_blocks=256, block_size=16))
+    engine = build_engine(gen.pair.target, EnginePlan(512, 16, max_num_seqs=4, k=3, max_spec_nodes=3 * branching),
+                          draft)
     params = [SamplingParams(max_new_tokens=NEW, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=1, max_new_tokens=NEW, ignore_eos=True, coupled=False),
               SamplingParams(temperature=0.8, seed=2, max_new_tokens=NEW, ignore_eos=True, coupled=True),
@@ -222,7 +227,8 @@ def test_engine_steps_synchronise_only_where_the_crossings_are_counted(toy_pair,
             torch.cuda.set_sync_debug_mode(0)
     where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     hidden = {at: n for at, n in where.items() if not at.startswith(SYNC_ALLOWED)}
-    gpu_report(f"syncs of {engine.metrics.num_steps - warm_steps} SD steps on {device} (greedy, sampled, coupled together): "
+    gpu_report(f"syncs of {engine.metrics.num_steps - warm_steps} SD steps on {device}, branching {branching} "
+               "(greedy, sampled, coupled together): "
                f"{sum(where.values())} in all, by line {dict(where.most_common(8))}; hidden {hidden or 'none'}")
     if cuda:
         assert where, "sync debug mode reported nothing: the check is not watching"
