@@ -100,39 +100,30 @@ def _head_race_scores(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, t
 
 @dataclass(slots=True)
 class PendingPicks:
-    """:func:`coupled_picks` around a step's one download: the race has run (on a device its winners are queued on
-    the step's :class:`~spec_core.transfer.HostCopy`; on a CPU they are already on the host); :meth:`read` takes
-    them and draws the rows whose tail won."""
+    """:func:`queue_picks`' draws around a step's one download: on a device they are queued on the step's
+    :class:`~spec_core.transfer.HostCopy`; on a CPU they are already on the host."""
 
-    probs: torch.Tensor
-    ids: torch.Tensor
-    u_pick: torch.Tensor
-    host: tuple[list[int], list[bool]] | None = None
+    host: list[int] | None = None
     slot: int | None = None
 
     def read(self, down: HostCopy) -> list[int]:
-        if self.host is not None:
-            picks, won = self.host
-        else:
-            packed = down[self.slot]
-            picks, won = [t for t, _ in packed], [bool(w) for _, w in packed]
-        return _with_tails(self.probs, self.ids, self.u_pick, list(picks), won)
+        return self.host if self.host is not None else down[self.slot]
 
 
 def queue_picks(probs: torch.Tensor, keys: torch.Tensor, down: HostCopy, head: int | None = None) -> PendingPicks:
     """The exact coupled draw of each row of ``probs [N, V]`` (rows sum to 1) under ``keys [N, 2]`` (int64, on the
     probs' device), read after ``down``'s fetch: the head's winner, or where the tail's one racer is faster, the
-    tail's inverse-CDF pick (computed only for those rows, with a download of its own: the tail wins about as often
-    as it has mass). ``head``: default :data:`COUPLE_HEAD`."""
+    tail's inverse-CDF pick. On a device every row's tail pick is made beside its race, so the draws come down in
+    the step's one download; on a CPU only the rows whose tail won draw it (about as often as the tail has mass).
+    ``head``: default :data:`COUPLE_HEAD`."""
     hv, ids = probs.topk(min(head or COUPLE_HEAD, probs.shape[-1]), dim=-1)
     # The tail's mass as 1 - the head's (no pass over the vocabulary; off by the rows' rounding, ~1e-7). Where the
-    # tail is in fact empty (under top-k) and its racer "wins" on that rounding, the check below keeps the head's.
+    # tail is in fact empty (under top-k) and its racer "wins" on that rounding, the head's winner stands.
     mass = (1.0 - hv.double().sum(-1)).clamp(min=0.0).float()
     if probs.device.type == "cpu":  # the same arithmetic in numpy: a few dozen small torch ops cost 0.15 ms a step
         picks, won, u_pick = _race_host(keys, hv, ids, mass)
-        return PendingPicks(probs, ids, u_pick, host=(picks, won))
-    packed, u_pick = _race_device(keys, hv, ids, mass)
-    return PendingPicks(probs, ids, u_pick, slot=down.add(packed))
+        return PendingPicks(host=_with_tails(probs, ids, u_pick, picks, won))
+    return PendingPicks(slot=down.add(_race_device(keys, probs, hv, ids, mass)))
 
 
 def coupled_picks(probs: torch.Tensor, keys: torch.Tensor, head: int | None = None) -> list[int]:
@@ -157,14 +148,17 @@ def _with_tails(probs: torch.Tensor, ids: torch.Tensor, u_pick: torch.Tensor, pi
     return picks
 
 
-def _race_device(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`queue_picks`' race in torch, on the probabilities' device: (head winner and whether the tail's racer
-    beat it ``[N, 2]``, the tail picks' uniforms), nothing downloaded."""
+def _race_device(keys: torch.Tensor, probs: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor
+                 ) -> torch.Tensor:
+    """:func:`queue_picks`' draws ``[N]`` in torch, on the probabilities' device, nothing downloaded: the head's
+    winner, or where the tail's racer beat it and the tail has mass, the tail's inverse-CDF pick (made for every
+    row: a pass over the vocabulary costs a device less than a download of its own)."""
     scores, _, u = _head_race_scores(keys, hv, ids)
     best, at = scores.max(-1)
     tail_score = torch.log(mass) - torch.log(-torch.log(u[:, 0]))  # -inf for an empty tail
-    return torch.stack([ids.gather(-1, at[:, None])[:, 0], (tail_score > best).long()], dim=1), u[:, 1]
+    tail = probs.scatter(-1, ids, 0.0)
+    use_tail = (tail_score > best) & (tail.sum(-1) > 0)
+    return torch.where(use_tail, sample_from_probs(tail, u[:, 1]), ids.gather(-1, at[:, None])[:, 0])
 
 
 def _race_host(keys: torch.Tensor, hv: torch.Tensor, ids: torch.Tensor, mass: torch.Tensor

@@ -212,8 +212,8 @@ class VerifierEngine:
 
         Host↔device crossings of the verifier's own part (the proposer's are its own): one upload (the packed
         batch, per length group), one upload for tree K/V moves and, for sampled requests, their rows' settings
-        and trees up; and one download (:class:`~spec_core.transfer.HostCopy`, :meth:`_decisions`). A coupled row
-        whose tail won and logprobs add downloads of their own."""
+        and trees up; and one download (:class:`~spec_core.transfer.HostCopy`, :meth:`_decisions`). Logprobs add
+        a download of their own."""
         t_step = time.perf_counter()
         work = self.scheduler.schedule()
         if not work:
