@@ -71,13 +71,20 @@ Plain decoding on both cores. Where the engine lends the drafter's core to plain
 (``lent_s``: they stay out of the fit and of the one-core plain time), and the guard's baseline is the faster of
 the two plain decodings: speculation must beat AR on the cores SSD holds. Sampled chat at batch 1 ran 1.18x AR
 while AR on both cores ran 1.65x. A batch size without a lent measurement gets one: a window that pays is followed
-by a short hold (``lend_after`` + 3 plain steps, the last ones lent), and again every ``lend_probe_every`` steps.
+by a short hold (``lend_after`` + ``lend_probe_steps`` plain steps, the last ones lent), and again every
+``lend_probe_every`` steps. ``lent_s`` is the median of the last ``lend_probe_steps`` lent steps, not a running
+mean: the first lent steps after speculation may meet a drafter still at work on its core, and on the default pair
+(int4 chat at batch 1) three of them once measured 12.3 ms against 5-6 ms in steady lending, which left the guard
+judging against one core for the next 512 steps while SSD ran 0.7x AR on both cores. Where lending measures no
+faster than one core, it is measured again sooner (after ``lend_probe_soon`` steps, doubling up to
+``lend_probe_every``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from spec_core.estimators import LinearCost, RateEstimator
@@ -151,8 +158,12 @@ class AdaptiveK:
     #: measured seconds by batch size, the step of each bucket's last one, and the short holds that measured them.
     lend_after: int | None = None
     lent_s: dict[int, float] = field(default_factory=dict)
+    lent_samples: dict[int, list[float]] = field(default_factory=dict)
     lent_at: dict[int, int] = field(default_factory=dict)
+    lend_probe_steps: int = 8
+    lend_probe_soon: int = 64
     lend_probe_every: int = 512
+    lend_wait: dict[int, int] = field(default_factory=dict)
     lend_probes: int = 0
 
     def __post_init__(self) -> None:
@@ -218,8 +229,9 @@ class AdaptiveK:
         the whole step, since it judges what speculating really delivered. ``lent``: a plain step on both cores,
         measured apart (module docstring)."""
         if lent:
-            prev = self.lent_s.get(batch)
-            self.lent_s[batch] = seconds if prev is None else 0.5 * prev + 0.5 * seconds
+            recent = self.lent_samples.setdefault(batch, [])
+            recent[:] = [*recent, seconds][-self.lend_probe_steps :]
+            self.lent_s[batch] = statistics.median(recent)
             self.lent_at[batch_bucket(batch)] = self.steps
             return
         fit_s = max(seconds - cold_s, 1e-9)
@@ -263,10 +275,26 @@ class AdaptiveK:
             # Each window of steps that paid halves the next hold, down to none: one window's goodput is noisy, so
             # where speculation hovers near break-even a lucky window must not undo what the failed ones measured.
             st.next_hold = st.next_hold // 2 if st.next_hold > self.hold else 0
-            last = self.lent_at.get(batch_bucket(batch))
-            if self.lend_after is not None and (last is None or self.steps - last > self.lend_probe_every):
-                st.hold_left = self.lend_after + 3  # plain, the last steps lent: is AR on both cores faster?
-                self.lend_probes += 1
+            if self.lend_after is not None and self._lend_probe_due(batch):
+                st.hold_left = self.lend_after + self.lend_probe_steps  # plain, the last ones lent: are both cores
+                self.lend_probes += 1  # faster?
+
+    def _lend_probe_due(self, batch: int) -> bool:
+        """Whether steps of ``batch`` requests should measure plain decoding on both cores again (module docstring):
+        never measured, or not for ``lend_probe_every`` steps, or measured no faster than one core and not for the
+        current wait (which doubles from ``lend_probe_soon`` each time that repeats)."""
+        bucket = batch_bucket(batch)
+        last = self.lent_at.get(bucket)
+        if last is None:
+            return True
+        lent, plain = self.lent_s.get(batch), self.plain_time(batch)
+        if lent is not None and plain is not None and lent >= plain:
+            wait = self.lend_wait.get(bucket, self.lend_probe_soon)
+            if self.steps - last > wait:
+                self.lend_wait[bucket] = min(2 * wait, self.lend_probe_every)
+                return True
+            return False
+        return self.steps - last > self.lend_probe_every
 
     def plan(self, accept: dict[str, tuple[int, int, int]]) -> dict[str, int]:
         """``accept[rid] = (accepted, drafted, rounds)`` for the requests of this step → K per request."""
