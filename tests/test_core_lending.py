@@ -171,3 +171,33 @@ def test_slow_first_lent_steps_do_not_hide_what_lending_gains(disturbed) -> None
     rate, lending = _simulate(planner, emitted=1.3, disturbed=disturbed)
     assert planner.lent_s[1] == pytest.approx(0.6) and planner.backoffs >= 1
     assert lending.lent_steps > 1250 and rate > 1.5, (lending.lent_steps, rate)
+
+
+def test_the_first_lend_probe_comes_before_the_first_window() -> None:
+    """With lending possible, a batch size's first steps are plain, the last of them lent: the first window of
+    speculation is then judged against both cores. Without lending nothing is held."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1), lend_after=4)
+    lending = CoreLending(0, 1)
+    ks, lent = [], []
+    for step in range(12):
+        k = planner.plan({"r": (0, 0, step)})["r"]
+        ks.append(k)
+        lent.append(lending.plan(k == 0))
+        planner.observe_step(1 + k, 0.6 if lent[-1] else 1.0, 1, 1, lent=lent[-1])
+    assert ks == [0] * 12 and sum(lent) == planner.lend_probe_steps and planner.lent_s[1] == pytest.approx(0.6)
+    assert planner.lend_probes == 1
+    alone = AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1))
+    assert [alone.plan({"r": (0, 0, s)})["r"] for s in range(3)] == [3, 3, 3] and alone.lend_probes == 0
+
+
+def test_the_batch_plans_against_lent_plain_steps_until_a_window_says_otherwise() -> None:
+    """Acceptance 0.5 at K <= 3 pays against a plain step on one core (1.0) but not against a lent one (0.6): the
+    batch plans K = 0. Once the guard's window measured speculation paying, its K is planned against one core."""
+    planner = AdaptiveK(k_max=3, cost=FixedCost(0.9, 0.1), lend_after=4)
+    planner.plain_s[1], planner.lent_s[1], planner.lent_at[1] = 1.0, 0.6, 0
+    assert planner.plan({"r": (50, 100, 5)})["r"] == 0
+    planner.backoff(1).gain = 1.2
+    assert planner.plan({"r": (50, 100, 6)})["r"] > 0
+    planner.lent_s[1] = 1.1  # lending measured slower than one core: not a baseline
+    planner.backoff(1).gain = None
+    assert planner.plan({"r": (50, 100, 7)})["r"] > 0

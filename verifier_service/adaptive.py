@@ -72,12 +72,18 @@ Plain decoding on both cores. Where the engine lends the drafter's core to plain
 the two plain decodings: speculation must beat AR on the cores SSD holds. Sampled chat at batch 1 ran 1.18x AR
 while AR on both cores ran 1.65x. A batch size without a lent measurement gets one: a window that pays is followed
 by a short hold (``lend_after`` + ``lend_probe_steps`` plain steps, the last ones lent), and again every
-``lend_probe_every`` steps. ``lent_s`` is the median of the last ``lend_probe_steps`` lent steps, not a running
-mean: the first lent steps after speculation may meet a drafter still at work on its core, and on the default pair
-(int4 chat at batch 1) three of them once measured 12.3 ms against 5-6 ms in steady lending, which left the guard
-judging against one core for the next 512 steps while SSD ran 0.7x AR on both cores. Where lending measures no
-faster than one core, it is measured again sooner (after ``lend_probe_soon`` steps, doubling up to
-``lend_probe_every``).
+``lend_probe_every`` steps; the first lend probe of a batch size comes before its first window, so that the window is
+judged against both cores. The batch's own K (not each request's: a request alone at K = 0 gets no lending while
+others speculate) is planned against the lent plain step too, until a window measures speculation paying against it
+(E(a, K) undercounts where acceptances come in runs). On the default pair's demo chat (int4, batch 1, where the
+draft is rarely accepted) SSD ran 0.66-0.75x AR on both cores before these two, 0.83-0.84x after; at T = 0.8 on code
+1.17-1.19x AR before, 1.22-1.23x after; greedy code, where SSD is at par with AR on both cores, 1.31-1.39x AR
+before and 1.29-1.30x after (within its noise).
+``lent_s`` is the median of the last ``lend_probe_steps`` lent steps, not a running mean: the first lent steps after
+speculation may meet a drafter still at work on its core, and on the default pair (int4 chat at batch 1) three of
+them once measured 12.3 ms against 5-6 ms in steady lending, which left the guard judging against one core for the
+next 512 steps while SSD ran 0.7x AR on both cores. Where lending measures no faster than one core, it is measured
+again sooner (after ``lend_probe_soon`` steps, doubling up to ``lend_probe_every``).
 """
 
 from __future__ import annotations
@@ -206,6 +212,16 @@ class AdaptiveK:
         t, lent = self.plain_time(b), self.lent_s.get(b)
         return t if lent is None else (lent if t is None else min(t, lent))
 
+    def _lent_scale(self, b: int) -> float:
+        """How much faster a plain step of ``b`` requests runs lent than on one core: the batch's K is planned
+        against plain decoding on both cores, what a plain batch gets. 1 where lending is not measured faster, or
+        where the guard's last window measured speculation paying against it (the measurement over the model:
+        E(a, K) undercounts where acceptances come in runs)."""
+        lent, plain, st = self.lent_s.get(b), self.plain_time(b), self.backoff(b)
+        if lent is None or plain is None or lent >= plain or (st.gain is not None and st.gain >= self.min_gain):
+            return 1.0
+        return plain / lent
+
     def _v(self, b: int):
         t_b = self.cost.time(b)
         if t_b is None:
@@ -276,8 +292,14 @@ class AdaptiveK:
             # where speculation hovers near break-even a lucky window must not undo what the failed ones measured.
             st.next_hold = st.next_hold // 2 if st.next_hold > self.hold else 0
             if self.lend_after is not None and self._lend_probe_due(batch):
-                st.hold_left = self.lend_after + self.lend_probe_steps  # plain, the last ones lent: are both cores
-                self.lend_probes += 1  # faster?
+                self._start_lend_probe(st, batch)
+
+    def _start_lend_probe(self, st: Backoff, batch: int) -> None:
+        """Hold steps of ``batch`` requests plain for ``lend_after`` + ``lend_probe_steps`` steps, the last ones
+        lent: is plain decoding on both cores faster?"""
+        st.hold_left = self.lend_after + self.lend_probe_steps
+        self.lent_at[batch_bucket(batch)] = self.steps
+        self.lend_probes += 1
 
     def _lend_probe_due(self, batch: int) -> bool:
         """Whether steps of ``batch`` requests should measure plain decoding on both cores again (module docstring):
@@ -302,8 +324,10 @@ class AdaptiveK:
         self.steps += 1
         self._observe_population(accept)
         st = self.backoff(b)
+        if self.lend_after is not None and self.k_max and batch_bucket(b) not in self.lent_at and not st.hold_left:
+            self._start_lend_probe(st, b)  # before any window: what plain decoding on both cores costs
         held = bool(st.hold_left and self.k_max)
-        if held:  # the measured back-off holds the batch plain
+        if held:  # the measured back-off holds the batch plain (or a lend probe)
             st.hold_left -= 1
             self.backoff_steps += 1
             self.batch_k = 0
@@ -324,7 +348,8 @@ class AdaptiveK:
             return dict.fromkeys(accept, self.batch_k)
         rates = {rid: self.acceptance(a, d) for rid, (a, d, _) in accept.items()}
         mean_a = sum(rates.values()) / len(rates) if rates else self.prior()
-        self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, v, self.k_max)
+        scale = self._lent_scale(b)  # the batch's alternative is plain decoding on both cores where that is faster
+        self.batch_k = best_k(min(mean_a, 1.0), self.draft_cost, lambda k: v(k) * scale, self.k_max)
         floor = int(st.probing and self.k_max > 0)  # the guard re-measures after a hold: a share of the batch speculates
         self.batch_k = max(self.batch_k, floor)
         probers = set(sorted(rates, key=rates.get, reverse=True)[: math.ceil(self.probe_share * b)]) if floor else set()
