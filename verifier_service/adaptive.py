@@ -76,9 +76,10 @@ by a short hold (``lend_after`` + ``lend_probe_steps`` plain steps, the last one
 judged against both cores. The batch's own K (not each request's: a request alone at K = 0 gets no lending while
 others speculate) is planned against the lent plain step too, until a window measures speculation paying against it
 (E(a, K) undercounts where acceptances come in runs). On the default pair's demo chat (int4, batch 1, where the
-draft is rarely accepted) SSD ran 0.83-0.84x AR on both cores so, against 0.66-0.75x with its first window judged
-against one core and the batch planned against one core; at T = 0.8 on code 1.22-1.23x AR against 1.17-1.19x;
-greedy code, where SSD is at par with AR on both cores, 1.29-1.30x AR against 1.31-1.39x (within its noise).
+draft is rarely accepted) SSD ran 0.83-0.84x AR on both cores so, against 0.66-0.75x with its first window
+judged against one core, the batch planned against one core and lent steps kept as a running mean; at T = 0.8 on
+code 1.22-1.23x AR against 1.17-1.19x; greedy code, where SSD is at par with AR on both cores, 1.29-1.30x AR
+against 1.31-1.39x (within its noise).
 ``lent_s`` is the median of the last ``lend_probe_steps`` lent steps, not a running mean: the first lent steps after
 speculation may meet a drafter still at work on its core, and on the default pair (int4 chat at batch 1) three of
 them once measured 12.3 ms against 5-6 ms in steady lending, which left the guard judging against one core for the
