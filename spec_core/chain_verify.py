@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from spec_core.sampling import normalise, sample_from_probs
+from spec_core.sampling import sample_from_probs
 from spec_core.transfer import to_device, to_host
-from spec_core.tree import SampledRound, TokenTree
+from spec_core.tree import SampledRound, TokenTree, residual
 
 
 def is_chain(tree: TokenTree) -> bool:
@@ -52,9 +52,7 @@ def chain_outcomes(rounds: list[SampledRound]) -> torch.Tensor:
     rejected = passed < tests
     rows = torch.arange(g, device=p.device)
     target = p[rows, passed]
-    residual = normalise((target - q[rows, passed.clamp(max=width - 2)]).clamp_min(0.0))
-    residual = torch.where(residual.sum(-1, keepdim=True) <= 0, target, residual)
-    final = torch.where(rejected[:, None], residual, target)
+    final = torch.where(rejected[:, None], residual(target, q[rows, passed.clamp(max=width - 2)]), target)
     drawn = sample_from_probs(final, uniforms[rows, passed + rejected.long()])
     return torch.stack([passed, drawn], 1)
 

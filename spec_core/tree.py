@@ -106,8 +106,8 @@ class SampledRound:
     uniforms: torch.Tensor
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) row-wise, falling back to p where that is all zero (p <= q everywhere)."""
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) row-wise, falling back to p where that is all zero (p <= q everywhere); no host sync."""
     res = normalise((p - q).clamp_min(0.0))
     return torch.where(res.sum(-1, keepdim=True) <= 0, p, res)
 
@@ -186,7 +186,7 @@ def stochastic_verify_tree_path(
                 nxt = c
                 break
             if sibling_recursion:
-                p = _residual(p[None], q[None])[0]
+                p = residual(p[None], q[None])[0]
             q_last = q
         if nxt is None and tree.tail is not None and cur == n - 1:  # the end of the chain: test its tail
             x, q = tree.tail
@@ -195,11 +195,11 @@ def stochastic_verify_tree_path(
             if accept:
                 out.append(x)
                 return out, path
-            p = _residual(p[None], q[None])[0] if sibling_recursion else p
+            p = residual(p[None], q[None])[0] if sibling_recursion else p
             q_last = q
         if nxt is None:
             if not sibling_recursion and q_last is not None:
-                p = _residual(p_orig[None], q_last[None])[0]
+                p = residual(p_orig[None], q_last[None])[0]
             out.append(int(sample_from_probs(p[None], uniforms[k : k + 1])[0]))
             return out, path
         out.append(tree.token_ids[nxt])

@@ -16,15 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from spec_core.rejection import PLACEHOLDER, RejectionOutput
-from spec_core.sampling import normalise, sample_from_probs
+from spec_core.sampling import sample_from_probs
 from spec_core.transfer import to_device
-from spec_core.tree import SampledRound, TokenTree
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) row-wise, p where that is all zero; no host sync."""
-    res = normalise((p - q).clamp_min(0.0))
-    return torch.where(res.sum(-1, keepdim=True) <= 0, p, res)
+from spec_core.tree import SampledRound, TokenTree, residual
 
 
 def verify_padded(target_probs: torch.Tensor, table: torch.Tensor, token_ids: torch.Tensor,
@@ -65,12 +59,12 @@ def verify_padded(target_probs: torch.Tensor, table: torch.Tensor, token_ids: to
             nxt = torch.where(acc, c, nxt)
             rej = active & ~acc
             if sibling_recursion:
-                p = torch.where(rej[:, None], _residual(p, q), p)
+                p = torch.where(rej[:, None], residual(p, q), p)
             else:
                 q_last = torch.where(rej[:, None], q, q_last)
                 tested |= rej
         stop = ~done & ~moved
-        dist = p if sibling_recursion else torch.where(tested[:, None], _residual(p_orig, q_last), p_orig)
+        dist = p if sibling_recursion else torch.where(tested[:, None], residual(p_orig, q_last), p_orig)
         last = sample_from_probs(dist, uniforms[rows, counter.clamp(max=n1 - 1)])
         taken = token_ids[rows, nxt.clamp_min(0)] if n1 > 1 else out[:, step]
         out[:, step] = torch.where(stop, last, torch.where(moved, taken, out[:, step]))

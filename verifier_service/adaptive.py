@@ -162,7 +162,8 @@ class AdaptiveK:
     plain_s: dict[int, float] = field(default_factory=dict)
     plain_ratio: float = 1.0
     #: Plain steps on both cores (module docstring): the engine's streak before it lends (None: it does not), their
-    #: measured seconds by batch size, the step of each bucket's last one, and the short holds that measured them.
+    #: seconds by batch size (the median of the last ``lend_probe_steps``, kept beside those samples), the step of
+    #: each bucket's last lent step or lend probe, the lend probes' length and spacing, and their count.
     lend_after: int | None = None
     lent_s: dict[int, float] = field(default_factory=dict)
     lent_samples: dict[int, list[float]] = field(default_factory=dict)

@@ -35,7 +35,7 @@ class SampledRows:
     _trees: tuple[list[str], int] | None = None
 
     def resolve(self, down: HostCopy) -> SampledRows:
-        """Read the draws and the chains' outcomes from ``down`` (fetched)."""
+        """Read the draws and the trees' outcomes from ``down`` (fetched)."""
         for ids, slot in self._plain:
             self.picks.update(zip(ids, down[slot]))
         if self._chains is not None:
@@ -82,15 +82,17 @@ def sampled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, Token
 
 def _queue_trees(out: SampledRows, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy) -> None:
     """Queue the verification of every sampled tree on ``down``: the chains in one batch, the others in another."""
-    rounds = {seq.request_id: SampledRound(out.probs[seq.request_id], tree, seq.uniforms_at(
-        seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY))
-        for _, seq, tree in requests if tree.num_nodes and not tree.greedy_match}
-    chains = [i for i, r in rounds.items() if is_chain(r.tree)]
-    trees = [i for i, r in rounds.items() if not is_chain(r.tree)]
+    chains: dict[str, SampledRound] = {}
+    trees: dict[str, SampledRound] = {}
+    for _, seq, tree in requests:
+        if tree.num_nodes and not tree.greedy_match:
+            uniforms = seq.uniforms_at(seq.num_tokens, tree.num_nodes + 1 + (tree.tail is not None), VERIFY)
+            (chains if is_chain(tree) else trees)[seq.request_id] = SampledRound(out.probs[seq.request_id], tree,
+                                                                                  uniforms)
     if chains:
-        out._chains = (chains, [rounds[i] for i in chains], down.add(chain_outcomes([rounds[i] for i in chains])))
+        out._chains = (list(chains), list(chains.values()), down.add(chain_outcomes(list(chains.values()))))
     if trees:
-        out._trees = (trees, down.add(tree_outcomes([rounds[i] for i in trees])))
+        out._trees = (list(trees), down.add(tree_outcomes(list(trees.values()))))
 
 
 def coupled_rows(logits: torch.Tensor, requests: list[tuple[int, Sequence, TokenTree]], down: HostCopy,
