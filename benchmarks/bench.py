@@ -51,16 +51,19 @@ class BenchSettings:
     sd_adaptive: bool = False
     #: The ssd modes' drafting strategy (``SSDConfig.strategy``).
     ssd_strategy: str = "auto"
+    #: How a run-ahead pair shares its cores (:mod:`verifier_service.run_ahead_schedule`).
+    run_ahead_schedule: str = "auto"
 
     def service_config(self, target: str, draft: str, dtype: str, draft_dtype: str | None = None,
                        mode: str = "ssd") -> ServiceConfig:
         """The ssd modes' settings as the one configuration: the local ``ssd`` rows and ``ssd-service`` run exactly
-        these (``ssd-chain``: a chain; ``ssd-coupled``: coupled sampling)."""
+        these (``ssd-chain``: a chain; ``ssd-coupled``: coupled sampling; ``ssd-pipelined``: never alternating)."""
         return ServiceConfig(target=target, draft=draft, dtype=dtype, draft_dtype=draft_dtype, k=self.k,
                              budget=self.budget, saguaro_c=self.saguaro_c, ssd_strategy=self.ssd_strategy,
                              tree="chain" if mode == "ssd-chain" else self.tree, fixed_k=not self.adaptive_k,
                              sampling="coupled" if mode == "ssd-coupled" else self.sampling,
-                             lend_cores=self.lend_cores, port=0)
+                             lend_cores=self.lend_cores, port=0,
+                             run_ahead_schedule="pipelined" if mode == "ssd-pipelined" else self.run_ahead_schedule)
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> BenchSettings:
@@ -96,7 +99,8 @@ class BenchSettings:
                              adaptive_k=not getattr(args, "fixed_k", False), seeded=getattr(args, "seeded", False),
                              sampling=getattr(args, "sampling", "auto"),
                              lend_cores=not getattr(args, "no_lend_cores", False),
-                             ssd_strategy=getattr(args, "ssd_strategy", "auto"))
+                             ssd_strategy=getattr(args, "ssd_strategy", "auto"),
+                             run_ahead_schedule=getattr(args, "run_ahead_schedule", "auto"))
 
 
 def _seed(settings: BenchSettings, prompt: int, rep: int) -> int | None:

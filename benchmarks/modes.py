@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
+BENCH_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-pipelined", "ssd-service", "hf-generate", "hf-assisted", "hf-assisted-tuned", "ar-2t", "sd-2t",
                "hf-generate-2t", "llama-cpp", "llama-cpp-2t", "llama-cpp-spec")
 #: Equal-hardware modes: the target (and SD's draft) get both cores, as SSD's two processes do.
 TWO_THREAD_MODES = {"ar-2t": "ar", "sd-2t": "sd", "hf-generate-2t": "hf-generate"}
@@ -36,11 +36,13 @@ LLAMA_CPP_MODES = {"llama-cpp": 1, "llama-cpp-2t": 2}
 LLAMA_CPP_SPEC = "llama-cpp-spec"
 
 #: Modes that also run at concurrency > 1 (through the continuous-batching engine; ar-2t and sd-2t on both cores).
-BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-service", "ar-2t", "sd-2t")
+BATCHED_MODES = ("ar", "sd", "ssd", "ssd-chain", "ssd-coupled", "ssd-pipelined", "ssd-service", "ar-2t", "sd-2t")
 #: The local two-process SSD modes: ``ssd`` with its candidate tree per outcome (``--tree``), ``ssd-chain`` with
 #: one chain per outcome (the paper's SSD), on the same K and budget; ``ssd-coupled``: ``ssd`` with coupled sampling
-#: (``EngineConfig.sampling``) whatever ``--sampling`` says, to compare the two rules side by side.
-LOCAL_SSD_MODES = ("ssd", "ssd-chain", "ssd-coupled")
+#: (``EngineConfig.sampling``) whatever ``--sampling`` says, to compare the two rules side by side;
+#: ``ssd-pipelined``: ``ssd`` whose run-ahead drafter always drafts during the verify (never the alternating
+#: schedule, :mod:`verifier_service.run_ahead_schedule`), to show what the overlap itself gives.
+LOCAL_SSD_MODES = ("ssd", "ssd-chain", "ssd-coupled", "ssd-pipelined")
 
 
 def runtime_of(mode: str) -> str:

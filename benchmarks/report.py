@@ -108,35 +108,47 @@ def summarise(mode: str, temp: float, runs: ModeRuns, reference: dict[tuple[int,
         "target_threads": 2 if _two_threads(mode) else None,
         "acceptance_rate": s.acceptance_rate,
         "acceptance_by_position": s.acceptance_by_position() if split else None,
-        "cache_hit_rate": mean([e["cache_hit_rate"] for e in ssd_extra or [] if e["cache_hit_rate"] is not None]),
-        "verifier_idle_fraction": mean([e["verifier_idle_fraction"] for e in ssd_extra or []
-                                        if e["verifier_idle_fraction"] is not None]),
-        "link_bytes_per_round": mean([e["link_bytes_per_round"] for e in ssd_extra or []
-                                      if e.get("link_bytes_per_round") is not None]),
-        "mean_tree_nodes": mean([e["mean_tree_nodes"] for e in ssd_extra or []
-                                 if e.get("mean_tree_nodes") is not None]),
-        "off_spine_rate": mean([e["off_spine_rate"] for e in ssd_extra or [] if e.get("off_spine_rate") is not None]),
-        # tokens per SSD round accepted on the tree's prompt-lookup branch
-        "lookup_tokens_per_round": mean([e["lookup_tokens_per_round"] for e in ssd_extra or []
-                                         if e.get("lookup_tokens_per_round") is not None]),
-        # SSD rounds served by a bundle the verifier waited for (the fast backup's short wait), of all rounds
-        "bundle_wait_rate": mean([e["bundle_wait_rate"] for e in ssd_extra or []
-                                  if e.get("bundle_wait_rate") is not None]),
-        # branches per pre-drafted bundle: the fan-out budget, or less where the drafter fitted it to the verify
-        "branches_per_bundle": mean([e["branches_per_bundle"] for e in ssd_extra or []
-                                     if e.get("branches_per_bundle") is not None]),
-        # steps that ran on the drafter's core too, every request plain (verifier_service.core_lending)
-        "lent_steps": sum(e.get("lent_steps", 0) for e in ssd_extra) if ssd_extra else None,
-        "ssd_strategy": next((e["strategy"] for e in ssd_extra or [] if e.get("strategy")), None),
-        # run-ahead: the share of the request's time (prefill and decode) the drafter spent in its forwards
-        "drafter_busy_fraction": mean([e["drafter_busy_fraction"] for e in ssd_extra or []
-                                       if e.get("drafter_busy_fraction") is not None]),
+        **_ssd_fields(ssd_extra or []),
         "verify_s_per_round": s.verify_s / s.num_rounds if s.num_rounds and mode != LLAMA_CPP_SPEC else None,
         "draft_s_per_round": s.draft_s / s.num_rounds if s.num_rounds and split else None,
         "num_runs": len(tps),
         "num_generated": s.num_generated,
         "matches_target_greedy": matches,
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _ssd_fields(extra: list[dict]) -> dict:
+    """The SSD rows' own fields, over the per-request reports of :func:`cluster.local_ssd.generate_ssd` (or the
+    service's): each a mean over the requests that report it, or None."""
+
+    def avg(key: str) -> float | None:
+        return mean([e[key] for e in extra if e.get(key) is not None])
+
+    def total(key: str) -> int | None:
+        return sum(e.get(key, 0) for e in extra) if extra else None
+
+    return {
+        "cache_hit_rate": avg("cache_hit_rate"),
+        "verifier_idle_fraction": avg("verifier_idle_fraction"),
+        "link_bytes_per_round": avg("link_bytes_per_round"),
+        "mean_tree_nodes": avg("mean_tree_nodes"),
+        "off_spine_rate": avg("off_spine_rate"),
+        # tokens per SSD round accepted on the tree's prompt-lookup branch
+        "lookup_tokens_per_round": avg("lookup_tokens_per_round"),
+        # SSD rounds served by a bundle the verifier waited for (the fast backup's short wait), of all rounds
+        "bundle_wait_rate": avg("bundle_wait_rate"),
+        # branches per pre-drafted bundle: the fan-out budget, or less where the drafter fitted it to the verify
+        "branches_per_bundle": avg("branches_per_bundle"),
+        # steps that ran on the drafter's core too, every request plain (verifier_service.core_lending)
+        "lent_steps": total("lent_steps"),
+        # run-ahead: speculating steps on both cores while the drafter idled, and the rounds in the alternating
+        # schedule, as a share of all (verifier_service.run_ahead_schedule)
+        "idle_lent_steps": total("idle_lent_steps"),
+        "alternating_round_fraction": avg("alternating_round_fraction"),
+        "ssd_strategy": next((e["strategy"] for e in extra if e.get("strategy")), None),
+        # run-ahead: the share of the request's time (prefill and decode) the drafter spent in its forwards
+        "drafter_busy_fraction": avg("drafter_busy_fraction"),
     }
 
 
@@ -289,4 +301,6 @@ def _ran(row: dict) -> str:
     parts = [dtypes, f"{row.get('cores')} core" + ("s" if row.get("cores") != 1 else "")]
     parts += [row["link"]] if row.get("link") else []
     parts += ["lending"] if row.get("lending") else []
+    if row.get("alternating_round_fraction") is not None:
+        parts += [f"alternating {100 * row['alternating_round_fraction']:.0f}%"]
     return ", ".join(parts)

@@ -11,7 +11,6 @@ re-prefills there, as a reconnected gRPC drafter does.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable
@@ -23,12 +22,14 @@ from drafter_service.process import DrafterProcessConfig, drafter_process_main, 
 from protos import codec
 from spec_core.arch import decode_params
 from spec_core.config import draft_dtype
+from spec_core.core_flags import CoreFlags
 from spec_core.runner import ModelRunner
 from spec_core.settings import ServiceConfig
 from verifier_service.core_lending import core_lending
 from verifier_service.engine import VerifierEngine
 from verifier_service.engine_builder import EnginePlan, build_engine
 from verifier_service.run_ahead_proposer import RunAheadProposer
+from verifier_service.run_ahead_schedule import ALTERNATING, RunAheadSchedule
 from verifier_service.ssd_proposer import SSDProposer
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ class LocalSSD:
         self.restarts = 0
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
-        #: Set while a run-ahead verifier waits for its drafter, which then borrows its core (shared memory).
-        self._waiting = mp.get_context("spawn").RawValue("b", 0)
+        #: How the run-ahead verifier and its drafter lend each other their cores (shared memory).
+        self._flags = CoreFlags.new()
 
     def _spawn(self) -> None:
         place, ssd, sp = self.placement, self.ssd, self.speculation
@@ -107,7 +108,7 @@ class LocalSSD:
                                  device=place.draft_device or str(self.target.device), pad_rows=place.draft_pad_rows,
                                  cpu_kernels=place.draft_cpu_kernels, lend_core=lend,
                                  head_vocab=place.draft_head_vocab, cuda_graphs=self.target.cuda_graphs),
-            hello, waiting=self._waiting, main=self.drafter_main,
+            hello, flags=self._flags, main=self.drafter_main,
         )
 
     def _default_draft_dtype(self) -> str:
@@ -141,7 +142,8 @@ class LocalSSD:
         common = dict(backup=sp.backup, wait_fraction=sp.wait_fraction, backup_policy=sp.backup_policy,
                       device=self.target.device, max_nodes=self.ssd.max_nodes)
         if self.strategy == "run-ahead":
-            proposer = RunAheadProposer(self.link, self.target.vocab_size, waiting=self._waiting, **common)
+            proposer = RunAheadProposer(self.link, self.target.vocab_size, flags=self._flags,
+                                        schedule=RunAheadSchedule(mode=sp.run_ahead_schedule), **common)
         else:
             proposer = SSDProposer(self.link, self.target.vocab_size, **common)
         plan = EnginePlan(place.num_blocks, place.block_size, cfg.max_num_seqs, k=sp.k,
@@ -209,6 +211,10 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
         "branches_per_bundle": delta["branches"] / delta["bundles"] if delta["bundles"] else None,
         # steps on both cores, every request plain (verifier_service.core_lending)
         "lent_steps": delta["lent"],
+        # run-ahead: speculating steps on both cores (the drafter idle), and rounds in the alternating schedule
+        "idle_lent_steps": delta["idle_lent"],
+        "alternating_round_fraction": (delta["alternating"] / delta["timed_rounds"]
+                                       if delta["timed_rounds"] and local.strategy == "run-ahead" else None),
         "strategy": local.strategy,
         # run-ahead: the share of the request's time (prefill and decode) the drafter spent in its forwards
         "drafter_busy_fraction": (delta["drafter_busy"] / (stats.prefill_s + stats.decode_s)
@@ -219,9 +225,13 @@ def generate_ssd(local: LocalSSD, prompt_ids: list[int], params, request_id: str
 
 def _snapshot(local: LocalSSD) -> dict[str, float]:
     s = local.proposer.stats
+    schedule = getattr(local.proposer, "schedule", None)
     return {"hits": s.hits, "rounds": s.rounds, "wait_s": s.wait_s, "backup": s.backup, "tree_nodes": s.tree_nodes,
             "spec_rounds": sum(s.accepted_hist), "off_spine": s.off_spine_rounds, "bundle_waited": s.bundle_wait_rounds,
             "lookup_tokens": s.lookup_tokens,
             "bundles": s.bundles_received, "branches": s.branches_received,
             "lent": local.engine.lending.lent_steps if local.engine.lending is not None else 0,
+            "idle_lent": local.engine.lending.idle_steps if local.engine.lending is not None else 0,
+            "alternating": schedule.rounds[ALTERNATING] if schedule is not None else 0,
+            "timed_rounds": sum(schedule.rounds.values()) if schedule is not None else 0,
             "drafter_busy": getattr(local.proposer, "drafter_busy_s", 0.0)}

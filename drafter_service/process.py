@@ -27,6 +27,7 @@ from protos import codec
 from protos.ssd.v1 import ssd_pb2 as pb
 from spec_core.arch import decode_params
 from spec_core.config import ModelConfig, SSDConfig, resolve_strategy
+from spec_core.core_flags import CoreFlags
 from spec_core.models import load_runner
 from spec_core.ngram import backup_tokens
 from spec_core.runner import ModelRunner
@@ -276,9 +277,9 @@ def load_draft(config: DrafterProcessConfig) -> ModelRunner:
     return load_runner(config.model(), reference=False)
 
 
-def drafter_process_main(conn, config: DrafterProcessConfig, waiting=None) -> None:
+def drafter_process_main(conn, config: DrafterProcessConfig, flags: CoreFlags | None = None) -> None:
     """Entry point of the drafter process: pin, load, answer the verifier's hello, serve until the pipe closes.
-    ``waiting``: the verifier's "I wait for the drafter" flag (shared memory), for :mod:`core_borrowing`."""
+    ``flags``: the cores' shared flags (:mod:`spec_core.core_flags`), for a run-ahead drafter."""
     if config.core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.core})
     torch.set_num_threads(1)
@@ -297,8 +298,9 @@ def drafter_process_main(conn, config: DrafterProcessConfig, waiting=None) -> No
                                                    model=config.draft_path, device=str(runner.device),
                                                    affinity=affinity, strategy=strategy)))
     if strategy == "run-ahead":
-        borrowing = core_borrowing(waiting, config.core, config.lend_core, runner)
-        RunAheadLoop(RunAheadDrafter(runner, config.ssd), link, borrowing).run()
+        borrowing = core_borrowing(flags and flags.waiting, config.core, config.lend_core, runner)
+        drafter = RunAheadDrafter(runner, config.ssd, alternate=flags and flags.alternate)
+        RunAheadLoop(drafter, link, borrowing, idle=flags and flags.idle).run()
     else:
         DrafterLoop(SSDDrafter(runner, config.ssd), link, backup, wait_fraction).run()
 
@@ -311,16 +313,17 @@ def drafter_strategy(ssd: SSDConfig, runner: ModelRunner, target_params: int) ->
     return resolve_strategy(ssd.strategy, decode_params(runner.hf_config), target_params)
 
 
-def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0, waiting=None,
+def spawn_drafter(config: DrafterProcessConfig, hello: pb.Hello, timeout_s: float = 120.0,
+                  flags: CoreFlags | None = None,
                   main: Callable = drafter_process_main) -> tuple[mp.Process, PipeLink, dict]:
     """Start the drafter process, send ``hello`` (with the verifier's backup settings) and wait for its ack;
     returns the process, the verifier's end of the link and the ack as a dict (pid, device, affinity, strategy).
-    ``waiting``: a shared flag (``multiprocessing`` raw value, spawn context) the verifier sets while it waits for a
-    run-ahead drafter, which then borrows ``config.lend_core``. ``main``: the process's entry point (picklable,
-    :func:`drafter_process_main`'s signature)."""
+    ``flags``: the cores' shared flags (:mod:`spec_core.core_flags`): a run-ahead drafter borrows
+    ``config.lend_core`` while the verifier waits for it, says when it idles, and stops at K on ``alternate``.
+    ``main``: the process's entry point (picklable, :func:`drafter_process_main`'s signature)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=main, args=(child, config, waiting), daemon=True, name="ssd-drafter")
+    proc = ctx.Process(target=main, args=(child, config, flags), daemon=True, name="ssd-drafter")
     proc.start()
     link = PipeLink(parent, vocab_size=hello.vocab_size, proc=proc)
     link.send_pb(pb.DrafterEvent(hello=hello))

@@ -73,7 +73,10 @@ def reconcile(req: ChainRequest, new: list[int]) -> int:
 class RunAheadDrafter:
     """Chains for many requests, one batched draft step at a time. Transport-free (see :class:`RunAheadLoop`)."""
 
-    def __init__(self, draft: Backend, config: SSDConfig) -> None:
+    def __init__(self, draft: Backend, config: SSDConfig, alternate=None) -> None:
+        """``alternate``: a shared flag (``.value``) that, while set, stops each chain at its K tokens
+        (:mod:`spec_core.core_flags`); None: never."""
+        self.alternate = alternate
         self.backend = as_backend(draft)  # the model, through the backend protocol only
         self.config = config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
@@ -89,7 +92,10 @@ class RunAheadDrafter:
         self._pick = replace(config, saguaro_c=1.0)
 
     def depth(self, req: ChainRequest) -> int:
-        """How far past its committed tokens a request's chain may run."""
+        """How far past its committed tokens a request's chain may run: K while the sides take turns, else the
+        configured depth (2K + 1 by default)."""
+        if self.alternate is not None and self.alternate.value:
+            return req.k
         return self.config.run_ahead_depth or 2 * req.k + 1
 
     # ---- events ---------------------------------------------------------------------------------------------
@@ -166,11 +172,14 @@ class RunAheadLoop:
     """The drafter's event loop for run-ahead drafting, over any drafter link end (the pipe, the gRPC stream):
     apply every event that has arrived, then draft one step; block on the link only when no chain wants a token."""
 
-    def __init__(self, drafter: RunAheadDrafter, link, borrowing: CoreBorrowing | None = None) -> None:
-        """``borrowing``: run draft steps on the verifier's core too while it waits (:mod:`core_borrowing`)."""
+    def __init__(self, drafter: RunAheadDrafter, link, borrowing: CoreBorrowing | None = None, idle=None) -> None:
+        """``borrowing``: run draft steps on the verifier's core too while it waits (:mod:`core_borrowing`).
+        ``idle``: a shared flag (``.value``) held set while this loop blocks with nothing to draft, so that the
+        verifier may run on this core (:mod:`spec_core.core_flags`); None: none."""
         self.drafter = drafter
         self.link = link
         self.borrowing = borrowing
+        self.idle = idle
         self.running = True
 
     def handle(self, events: list[object]) -> None:
@@ -192,7 +201,7 @@ class RunAheadLoop:
             events = []
             try:
                 if not self.drafter.wanted():
-                    events.append(self.link.recv())
+                    events.append(self._recv_idle())
                 while self.link.poll(0):
                     events.append(self.link.recv())
             except EOFError:
@@ -204,6 +213,19 @@ class RunAheadLoop:
             updates = self.drafter.step()
             if self.borrowing is not None and updates and self.drafter.last_step_decode:
                 self.borrowing.observe(time.perf_counter() - t0)
+            if self.idle is not None and not self.drafter.wanted():
+                self.idle.value = 1  # up before the last update goes: the verify it completes may take this core
             for update in updates:
                 self.link.send(update)
             self.link.flush()
+
+    def _recv_idle(self) -> object:
+        """Block for the next event with the idle flag up (raised already where the last step completed every
+        chain), dropped once an event arrives."""
+        if self.idle is None:
+            return self.link.recv()
+        self.idle.value = 1
+        try:
+            return self.link.recv()
+        finally:
+            self.idle.value = 0

@@ -335,6 +335,9 @@ class SpeculationConfig:
     tree: TreeShape = field(default_factory=lambda: SSD_DEFAULT_TREE)
     #: How sampled requests draw (the engine's ``EngineConfig.sampling``): auto, residual or coupled.
     sampling: str = "auto"
+    #: How a local run-ahead pair shares its two cores: auto (measured), pipelined or alternating
+    #: (:mod:`verifier_service.run_ahead_schedule`).
+    run_ahead_schedule: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -70,6 +70,10 @@ class ServiceConfig(BaseModel):
         "auto", "how the drafter drafts: fanout (a tree per likely outcome of every round), run-ahead (one chain "
         "per request, ahead of the verifier), auto (run-ahead where the draft reads a quarter of the target's "
         "weights per token or more)", "speculation")
+    run_ahead_schedule: Literal["auto", "pipelined", "alternating"] = setting(
+        "auto", "how a run-ahead drafter and the verifier share their two cores when both are pinned on one CPU "
+        "machine: pipelined (the drafter drafts the next round during the verify), alternating (each side runs on "
+        "both cores while the other waits), auto (the one measured faster)", "speculation")
     saguaro_c: float = setting(1.0, "Saguaro down-weighting C in (0, 1]", "speculation", gt=0, le=1)
     tree: str = setting(str(SSD_DEFAULT_TREE), "SSD's candidate tree per outcome: auto (the drafter picks the leaves "
                         "per depth from measured acceptance), chain, WIDTHxLEVELS (the draft's next WIDTH-1 choices "
@@ -167,7 +171,8 @@ class ServiceConfig(BaseModel):
         return SpeculationConfig(mode="ssd", k=self.k, budget=self.fanout_budget, saguaro_c=self.saguaro_c,
                                  adaptive_k=self.adaptive_k, backup=self.backup, wait_fraction=self.wait_fraction,
                                  backup_policy=self.backup_policy,
-                                 tree=TreeShape.parse(self.tree), sampling=self.sampling)
+                                 tree=TreeShape.parse(self.tree), sampling=self.sampling,
+                                 run_ahead_schedule=self.run_ahead_schedule)
 
     def model_paths(self) -> tuple[str, str]:
         """Absolute target and draft paths: the given ones, else ``pair``'s, else ``ssd models``'."""

@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run-ahead (one chain per request, ahead of the verifier: for a draft that costs a large "
                         "share of a target step), auto (run-ahead where the draft's weights are a quarter of the "
                         "target's or more)")
+    b.add_argument("--run-ahead-schedule", choices=["auto", "pipelined", "alternating"], default="auto",
+                   help="how a run-ahead drafter and the verifier share their two cores: pipelined (the drafter "
+                        "drafts the next round during the verify), alternating (each side runs on both cores while "
+                        "the other waits), auto (the one measured faster)")
     b.add_argument("--fixed-k", action="store_true",
                    help="the ssd modes speculate K tokens every round (default: adaptive K per step, down to 0, "
                         "from measured costs, as ssd serve does)")

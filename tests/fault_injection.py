@@ -61,14 +61,14 @@ def _slow_build(drafter_class: type[SSDDrafter], delay_s: float) -> type[SSDDraf
     return Slow
 
 
-def _drafter_main(conn, config, waiting=None, *, bundle_delay_s: float = 0.0, forgetful: bool = False) -> None:
+def _drafter_main(conn, config, flags=None, *, bundle_delay_s: float = 0.0, forgetful: bool = False) -> None:
     """The local pair's drafter process with its drafter slowed by ``bundle_delay_s`` before every bundle build,
     and/or ``forgetful`` (:class:`ForgetfulDrafter`). Runs in the spawned process."""
     from drafter_service import process
 
     cls = ForgetfulDrafter if forgetful else SSDDrafter
     process.SSDDrafter = _slow_build(cls, bundle_delay_s) if bundle_delay_s else cls
-    process.drafter_process_main(conn, config, waiting)
+    process.drafter_process_main(conn, config, flags)
 
 
 def drafter_main(bundle_delay_s: float = 0.0, forgetful: bool = False):

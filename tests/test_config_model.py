@@ -17,7 +17,7 @@ EVERY = {
     "address": "10.0.0.1:6379", "host": "0.0.0.0", "port": 6000, "http-port": 8001, "metrics-port": 9100,
     "num-cpus": 3, "pair": "qwen2.5-coder-1.5b", "target": "/models/t", "draft": "/models/d", "dtype": "bfloat16", "draft-dtype": "int4",
     "device": "cpu",
-    "served-model-name": "my-model", "k": 4, "budget": 5, "ssd-strategy": "run-ahead", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
+    "served-model-name": "my-model", "k": 4, "budget": 5, "ssd-strategy": "run-ahead", "run-ahead-schedule": "alternating", "saguaro-c": 0.5, "tree": "3x1", "fixed-k": True,
     "backup-policy": "fast", "backup": "none", "wait-fraction": 0.25, "fit-fanout": 0.5, "sampling": "coupled", "max-num-seqs": 8, "max-num-batched-tokens": 1024, "max-model-len": 4096,
     "max-queue": 32, "kv-memory-fraction": 0.3, "gpu": "no", "gpu-fraction": 0.5, "strategy": "SPREAD",
     "drain-grace": 5.0, "auth-token-file": "/tmp/token", "auth-token-env": "TOKEN", "tls-cert": None,

@@ -106,12 +106,13 @@ def _run(ssd: LocalSSD, prompts: list[list[int]], params: SamplingParams) -> lis
 
 
 @two_cores
-def test_run_ahead_ssd_is_greedy_exact(tiny_models) -> None:
+@pytest.mark.parametrize("schedule", ["auto", "alternating"])
+def test_run_ahead_ssd_is_greedy_exact(tiny_models, schedule) -> None:
     target = ModelRunner(tiny_models["llama"])
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 4]]
     refs = greedy_outputs(target, prompts, 40)
     cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, ssd_strategy="run-ahead", fixed_k=True,
-                        max_num_seqs=3)
+                        max_num_seqs=3, run_ahead_schedule=schedule)
     with LocalSSD(target, cfg) as ssd:
         assert ssd.strategy == "run-ahead"
         seqs = _run(ssd, prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))

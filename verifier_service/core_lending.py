@@ -6,9 +6,10 @@ drafter has nothing to draft, and SSD ran as AR on one core while its second idl
 1.50x `ar` at batch 16 in bf16 at T = 0.8). So once ``after`` steps in a row were plain (time for the drafter to
 finish the bundles of the last speculating step), each further plain step runs the verifier's forward and
 verification on both cores: CPU affinity over both and torch on two threads, handed back at the end of the step.
-A step that speculates never borrows the core. While a step is lent the proposer also holds back the prompts of new
-requests the planner starts plain (:meth:`verifier_service.ssd_proposer.SSDProposer.propose`, ``quiet``), so nothing
-wakes the drafter; such a request tells the drafter its tokens when it first speculates.
+A step that speculates borrows the core only where a run-ahead drafter says it has nothing to draft (the
+alternating schedule, :mod:`verifier_service.run_ahead_schedule`). While a plain step is lent the proposer also holds
+back the prompts of new requests the planner starts plain (:meth:`verifier_service.ssd_proposer.SSDProposer.propose`,
+``quiet``), so nothing wakes the drafter; such a request tells the drafter its tokens when it first speculates.
 
 It lends only where both processes are pinned to cores of one node, so the drafter's core is known and free: the
 local SSD (:class:`cluster.local_ssd.LocalSSD`), and the served pair when its two Ray actors share a node
@@ -41,6 +42,9 @@ class CoreLending:
     after: int = 4
     streak: int = 0
     lent_steps: int = 0
+    #: Speculating steps run on both cores because the run-ahead drafter had nothing to draft (counted by the
+    #: engine, :mod:`spec_core.core_flags`).
+    idle_steps: int = 0
     #: The OS refused the two cores once (:meth:`lent`): no step is lent after that.
     refused: bool = False
 

@@ -224,10 +224,23 @@ class VerifierEngine:
         empty = TokenTree(parents=[], token_ids=[], draft_probs=None)
         chosen = [trees.get(w.seq.request_id, empty) if w.speculate else None for w in work]
         items = [self._item(w, tree) for w, tree in zip(work, chosen)]
-        with self.lending.lent() if lent else contextlib.nullcontext(), self.backend.kernel_threads():
+        both = lent or self._drafter_idle(trees)
+        with self.lending.lent() if both else contextlib.nullcontext(), self.backend.kernel_threads():
             finished = self._verify_step(work, items, chosen)
         self._account(work, items, t_step, mark, emitted_before, lent)
         return finished
+
+    def _drafter_idle(self, trees: dict) -> bool:
+        """Whether a speculating step runs on the drafter's core too: a run-ahead drafter process with nothing to
+        draft says so (:mod:`spec_core.core_flags`), and every matmul is the compiled kernels', whose floats do not
+        depend on the thread count (a seeded request's tokens must not depend on timing). Counted in
+        :attr:`CoreLending.idle_steps`."""
+        if self.lending is None or not trees or not self.backend.capabilities().batch_invariant:
+            return False
+        if not getattr(self.drafter, "drafter_idle", bool)():
+            return False
+        self.lending.idle_steps += 1
+        return True
 
     def _verify_step(self, work: list[ScheduledSeq], items: list[WorkItem], chosen: list[TokenTree | None]
                      ) -> list[Sequence]:

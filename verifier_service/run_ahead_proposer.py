@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from spec_core.core_flags import CoreFlags
 from spec_core.sequence import Sequence
 from spec_core.speculation import ChainMsg, PrefillEvent, Speculation
 from spec_core.transfer import to_device
 from spec_core.tree import TokenTree
 from verifier_service.chain_view import TAIL, ChainView
+from verifier_service.run_ahead_schedule import PIPELINED, RunAheadSchedule
 from verifier_service.ssd_proposer import REPRODUCIBLE_WAIT_S, SSDProposer
 from verifier_service.ssd_request import SSDRequestState
 
@@ -32,11 +34,16 @@ MIN_MAX_WAIT_S = 0.5
 class RunAheadProposer(SSDProposer):
     """:class:`SSDProposer` over chain updates instead of branch bundles (same link, stats and backup)."""
 
-    def __init__(self, *args, waiting=None, **kwargs) -> None:
-        """``waiting``: a shared flag this side holds set while it waits for the drafter, which then borrows its
-        core (:mod:`drafter_service.core_borrowing`); None: none."""
+    def __init__(self, *args, flags: CoreFlags | None = None, schedule: RunAheadSchedule | None = None,
+                 **kwargs) -> None:
+        """``flags``: the cores' shared flags with a local drafter process (:mod:`spec_core.core_flags`): this side
+        holds ``waiting`` set while it waits for the drafter, reads ``idle`` and sets ``alternate`` from
+        ``schedule`` (:mod:`verifier_service.run_ahead_schedule`); None: neither side lends its core."""
         super().__init__(*args, **kwargs)
-        self.waiting = waiting
+        self.flags = flags
+        self.schedule = schedule or RunAheadSchedule(mode=PIPELINED)
+        #: When the last speculating round was proposed, and its batch size (None: the last step did not speculate).
+        self._round_start: tuple[float, int] | None = None
         self.views: dict[str, ChainView] = {}
         #: The drafter's forward seconds, as its latest update reported them.
         self.drafter_busy_s = 0.0
@@ -58,6 +65,7 @@ class RunAheadProposer(SSDProposer):
             link, self.pending_link = self.pending_link, None
             self.replace_link(link)
         self._drain()
+        self._time_round(len(seqs) if seqs and all(k > 0 for k in ks) else 0)
         self.cold_wait_s = 0.0
         live = []
         for seq, k in zip(seqs, ks):
@@ -90,6 +98,21 @@ class RunAheadProposer(SSDProposer):
             trees.append(self._with_tail(seq, tree) if spec is not None else tree)
         self.link.flush()
         return trees
+
+    def drafter_idle(self) -> bool:
+        """Whether the drafter process has nothing to draft now, so that a verify may run on its core too."""
+        return self.flags is not None and bool(self.flags.idle.value)
+
+    def _time_round(self, batch: int) -> None:
+        """The last round's time for the schedule (proposal to proposal), and this one's start (``batch``: its
+        speculating requests, 0 where some request decodes plain)."""
+        now = time.perf_counter()
+        if self._round_start is not None:
+            t0, b = self._round_start
+            self.schedule.observe(b, now - t0)
+            if self.flags is not None:
+                self.flags.alternate.value = int(self.schedule.alternating)
+        self._round_start = (now, batch) if batch else None
 
     def _with_tail(self, seq: Sequence, tree: TokenTree) -> TokenTree:
         """A sampled request's chain with the view's next token as its tail (:attr:`TokenTree.tail`): then the
@@ -124,16 +147,16 @@ class RunAheadProposer(SSDProposer):
                 return now < must_cap
             return now < cap and now - self._last_update < STALL_S
 
-        if self.waiting is not None:
-            self.waiting.value = 1
+        if self.flags is not None:
+            self.flags.waiting.value = 1
         try:
             while waiting():
                 self._drain(timeout=max(0.0, min(cap - now, STALL_S - (now - self._last_update), 0.05)))
                 short = [(s, k) for s, k in short if len(self.views[s.request_id].tokens) < k]
                 now = time.perf_counter()
         finally:
-            if self.waiting is not None:
-                self.waiting.value = 0
+            if self.flags is not None:
+                self.flags.waiting.value = 0
         waited = now - t0
         self.stats.jit_wait_s += self._count_wait(waited, cold)
         return waited
@@ -152,4 +175,5 @@ class RunAheadProposer(SSDProposer):
 
     def release(self, seq: Sequence) -> None:
         self.views.pop(seq.request_id, None)
+        self._round_start = None  # the next round's time is not this request's last step
         super().release(seq)
