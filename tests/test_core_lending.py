@@ -64,6 +64,19 @@ def test_a_quiet_step_holds_back_a_plain_new_requests_prompt() -> None:
     assert isinstance(msg, PrefillEvent) and list(msg.token_ids) == [1, 2, 3, 9] and "a" in prop.state
 
 
+def spy_threads(target: ModelRunner) -> list[int]:
+    """From now on, each forward of ``target`` appends its threads times its cores (1: one core; 4: both)."""
+    threads: list[int] = []
+    forward = target.forward_paged
+
+    def spy(cache, batch):
+        threads.append(cpu_kernels.gemm_threads() * len(os.sched_getaffinity(0)))
+        return forward(cache, batch)
+
+    target.forward_paged = spy
+    return threads
+
+
 def _engine_ar(target: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
     """The runner's own AR through the engine, on one thread."""
     engine = VerifierEngine(target, EngineConfig(256, 16, SchedulerConfig(max_num_seqs=len(prompts))))
@@ -85,18 +98,11 @@ def test_lent_steps_keep_a_batch_invariant_runners_own_output(tiny_models) -> No
     refs = _engine_ar(target, prompts, 40)
     cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, budget=6, fixed_k=True, max_num_seqs=3,
                         backup="none", wait_fraction=50.0)
-    threads: list[int] = []
-    forward = target.forward_paged
-
-    def spy(cache, batch):
-        threads.append(cpu_kernels.gemm_threads() * len(os.sched_getaffinity(0)))  # 1: one core; 4: both
-        return forward(cache, batch)
-
     with LocalSSD(target, cfg) as ssd:
         lending = ssd.engine.lending
         assert lending is not None
         ssd.engine.adaptive = _ScriptedK(k=3, plain=9, spec=3)
-        target.forward_paged = spy
+        threads = spy_threads(target)
         seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
         for s in seqs[:2]:
             ssd.engine.add(s)

@@ -5,10 +5,9 @@ verifies run on both cores while the drafter idles, and its greedy output stays 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import pytest
-from test_core_lending import TWO_CORES, _engine_ar
+from test_core_lending import TWO_CORES, _engine_ar, spy_threads
 
 from cluster.local_ssd import LocalSSD
 from drafter_service.run_ahead import RunAheadDrafter, RunAheadLoop
@@ -113,16 +112,9 @@ def test_alternating_verifies_on_both_cores_and_keeps_the_runners_own_output(tin
     refs = _engine_ar(target, prompts, 40)
     cfg = ServiceConfig(draft=str(tiny_models["llama-draft"]), k=3, ssd_strategy="run-ahead", fixed_k=True,
                         max_num_seqs=2, run_ahead_schedule="alternating")
-    threads: list[int] = []
-    forward = target.forward_paged
-
-    def spy(cache, batch):
-        threads.append(cpu_kernels.gemm_threads() * len(os.sched_getaffinity(0)))  # 1: one core; 4: both
-        return forward(cache, batch)
-
     with LocalSSD(target, cfg) as ssd:
         assert ssd.strategy == "run-ahead" and ssd.engine.lending is not None
-        target.forward_paged = spy
+        threads = spy_threads(target)
         seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
         for s in seqs:
             ssd.engine.add(s)
