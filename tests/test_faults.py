@@ -87,8 +87,11 @@ def test_verifier_killed_is_restarted_and_clients_retry(ray_session, toy_pair, g
     from spec_core.settings import ServiceConfig
 
     port = free_port()  # a fixed public port: the restarted verifier binds it again
+    # Chains at K = 2, as for the restarted drafter below: the hit-rate bar checks that the new verifier's drafter
+    # serves from its cache again, not the lower hit rate that trees, or K = 3 with this toy draft, trade for tokens
+    # per round (at the defaults a CI run measured 0.44 on 18 rounds).
     dep = launch(ServiceConfig(target=toy_pair["target"], draft=toy_pair["draft"], port=port, gpu="no",
-                               fixed_k=True, dtype="float32"))
+                               fixed_k=True, k=2, dtype="float32", tree="chain"))
     try:
         old_pid = ray.get(dep.verifier.pid.remote())
         ref = greedy_reference(PROMPTS[0], 300)
