@@ -114,6 +114,7 @@ def test_alternating_verifies_on_both_cores_and_keeps_the_runners_own_output(tin
                         max_num_seqs=2, run_ahead_schedule="alternating")
     with LocalSSD(target, cfg) as ssd:
         assert ssd.strategy == "run-ahead" and ssd.engine.lending is not None
+        assert ssd._flags.alternate.value == 1  # before the first round
         threads = spy_threads(target)
         seqs = [Sequence(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
         for s in seqs:

@@ -42,6 +42,8 @@ class RunAheadProposer(SSDProposer):
         super().__init__(*args, **kwargs)
         self.flags = flags
         self.schedule = schedule or RunAheadSchedule(mode=PIPELINED)
+        if flags is not None:  # from the first round on, the drafter drafts as the schedule says
+            flags.alternate.value = int(self.schedule.alternating)
         #: When the last speculating round was proposed, and its batch size (None: the last step did not speculate).
         self._round_start: tuple[float, int] | None = None
         self.views: dict[str, ChainView] = {}
